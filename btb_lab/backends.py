@@ -1,0 +1,61 @@
+"""The Backend interface: one implementation per world (sim, cluster), chosen by name.
+
+The orchestrator (`btb_lab.runner`) calls `run_variant` once per variant × repeat with
+the requests to replay; the backend streams RequestRecords into the sink as they
+finish (so an interrupt never loses finished rows) and returns utilization samples
+plus the settings that describe its fidelity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from btb_lab.records import Request, RequestRecord, UtilSample
+from btb_lab.registry import Registry
+
+if TYPE_CHECKING:
+    from btb_lab.hypothesis.schema import Hypothesis, Variant
+
+__all__ = ["BACKENDS", "Backend", "BackendResult", "RecordSink", "RunContext"]
+
+
+class RecordSink(Protocol):
+    """Where finished records go; writes are durable once `write` returns."""
+
+    def write(self, records: Iterable[RequestRecord]) -> None: ...
+
+
+@dataclass
+class RunContext:
+    """Everything one variant × repeat needs besides its requests."""
+
+    hypothesis: Hypothesis
+    variant_name: str
+    variant: Variant
+    repeat: int
+    seed: int
+    run_dir: Path
+    sink: RecordSink
+    # progress(done_requests, total_requests); called from the backend's own loop
+    progress: Callable[[int, int], None] = lambda done, total: None
+
+
+@dataclass
+class BackendResult:
+    utilization: list[UtilSample] = field(default_factory=list)
+    # every setting that shapes the numbers (recorded in manifest and report)
+    fidelity: dict[str, Any] = field(default_factory=dict)
+    telemetry_source: str = "sim"  # sim | nvml | psutil
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. per-instance /metrics
+
+
+class Backend(Protocol):
+    name: str
+
+    def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult: ...
+
+
+BACKENDS: Registry[Callable[[], Backend]] = Registry("backend")

@@ -1,0 +1,9 @@
+"""`btb-lab sim ...` commands."""
+
+from __future__ import annotations
+
+import typer
+
+__all__ = ["app"]
+
+app = typer.Typer(help="sim commands.", no_args_is_help=True)

@@ -1,0 +1,13 @@
+"""The strict pydantic base every configuration model derives from."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["StrictModel"]
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors, so a misspelled YAML key never becomes a silent default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)

@@ -1,0 +1,139 @@
+"""The one interface every routing policy is written against, in both worlds.
+
+A policy sees a `ClusterView` and returns a `Decision`. The simulator builds the view
+from its model state; the cluster router builds it from its own bookkeeping. A policy
+never imports the simulator or an HTTP client, so the same code routes in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+from pydantic import ValidationError
+
+from btb_lab.config import StrictModel
+from btb_lab.records import Request
+from btb_lab.registry import Registry
+
+__all__ = [
+    "POLICIES",
+    "ClusterView",
+    "CostModel",
+    "Decision",
+    "InstanceLoad",
+    "NoParams",
+    "Policy",
+    "WarmAction",
+    "build_policy",
+]
+
+
+@dataclass(slots=True)
+class InstanceLoad:
+    """What the router knows of one instance's load right now."""
+
+    index: int
+    name: str
+    role: str  # "C" (co-located prefill+decode) or "PS" (prefill service)
+    running: int
+    waiting: int
+    outstanding_tokens: int  # prompt + output tokens routed there and not yet finished
+
+    @property
+    def load(self) -> int:
+        """Load as SGLang's router counts it: running + waiting requests."""
+        return self.running + self.waiting
+
+
+class CostModel(Protocol):
+    """Modeled costs a cost-based policy may consult (same formulas in both worlds)."""
+
+    def prefill_s(self, instance: int, tokens: int) -> float: ...
+
+    def transfer_s(self, tokens: int, source: int, target: int) -> float: ...
+
+
+class ClusterView(Protocol):
+    """Read-only state a policy may use to decide."""
+
+    @property
+    def now_s(self) -> float: ...
+
+    @property
+    def instances(self) -> Sequence[InstanceLoad]: ...
+
+    @property
+    def costs(self) -> CostModel: ...
+
+    def match_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of `block_hashes` the router believes `instance` holds
+        (what it routed there, or what is resident, depending on the router view)."""
+        ...
+
+    def complete_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
+        """Leading blocks whose KV is complete on `instance`, i.e. a valid copy source."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class WarmAction:
+    """Make the first `n_blocks` of the current request's prefix resident on `target`,
+    copying from `source` over RDMA (`rdma`) or recomputing it there (`prefill`)."""
+
+    source: int | None
+    target: int
+    n_blocks: int
+    mode: Literal["rdma", "prefill"] = "rdma"
+
+
+@dataclass(slots=True)
+class Decision:
+    """Where a request runs. With `prefill_instance` set, that instance prefills and the
+    KV moves to `instance`, which decodes (prefill offload / PD split)."""
+
+    instance: int
+    route: str = "COLO"
+    prefill_instance: int | None = None
+    prefill_cold: bool = False  # prefill ignores cached prefixes (a PS with no session cache)
+    warm: tuple[WarmAction, ...] = ()
+
+
+class NoParams(StrictModel):
+    """A policy without parameters."""
+
+
+class Policy:
+    """Base class: subclasses set `name`, `Params`, and implement `route`. One policy
+    object lives for one run (variant × repeat), so it may keep state (session maps,
+    burst detectors)."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[StrictModel]] = NoParams
+
+    def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
+        self.params = params
+        self.seed = seed
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        raise NotImplementedError
+
+    def on_finish(self, request: Request, instance: int, now_s: float) -> None:
+        """Called when a request completes; stateful policies may override."""
+        return None
+
+
+POLICIES: Registry[type[Policy]] = Registry("policy")
+
+
+def build_policy(name: str, params: dict[str, Any] | None = None, *, seed: int = 0) -> Policy:
+    """Instantiate a registered policy with validated params (raises pydantic's
+    ValidationError for bad params, UserError for an unknown name)."""
+    cls = POLICIES.get(name)
+    parsed = cls.Params.model_validate(params or {})
+    return cls(parsed, seed=seed)
+
+
+# Re-exported so callers catching parameter errors need not import pydantic.
+PolicyParamsError = ValidationError

@@ -1,0 +1,98 @@
+"""Data contracts between pipeline stages: Request (workload out), RequestRecord (backend
+out) and UtilSample (telemetry). Plain slotted dataclasses: the simulator creates
+millions of them, so they stay cheap; validation happens at the edges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "RECORD_COLUMNS",
+    "UTIL_COLUMNS",
+    "Request",
+    "RequestRecord",
+    "UtilSample",
+]
+
+
+@dataclass(slots=True)
+class Request:
+    """One request to replay. `block_hashes` has one id per `block_tokens`-token block of the
+    prompt; two requests share a prefix exactly as far as their leading ids agree."""
+
+    request_id: str
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    block_tokens: int = 512
+    session_id: str | None = None
+    group_id: str | None = None
+    trace_id: str = "0"
+    source: str = "trace"
+    turn: int = 1
+    klass: str | None = None  # exported as column "class"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One row per request per variant per repeat. Backends stamp raw times only;
+    ttft_s / tpot_s / e2e_s are derived afterwards by `btb_lab.analysis.metrics`."""
+
+    variant: str
+    repeat: int
+    request_id: str
+    trace_id: str
+    source: str
+    session_id: str | None
+    instance: str  # instance that decoded (and prefilled unless prefill_instance is set)
+    route: str  # e.g. COLO, HEAVY_OFFLOAD, WARM_HIT, PS
+    arrival_s: float  # target send time (workload arrival after time_scale)
+    sent_s: float  # actual send time
+    first_token_s: float | None
+    finish_s: float | None
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    ok: bool = True
+    error: str | None = None
+    klass: str | None = None
+    turn: int = 1
+    group_id: str | None = None
+    prefill_instance: str | None = None
+    cache_tier: str | None = None  # where cached tokens came from: hbm, ram, disk, remote
+    queue_s: float = 0.0  # time waiting for admission
+    kv_load_s: float = 0.0  # loading cached KV from a lower tier
+    kv_transfer_s: float = 0.0  # moving KV between instances (offload pull / warm wait)
+    prefill_s: float = 0.0  # computing the uncached prompt tokens
+    decode_s: float = 0.0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    extra: dict[str, float | int | str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UtilSample:
+    """Utilization of one device (GPU, or a process / simulated instance) at one time."""
+
+    time_s: float
+    instance: str
+    device: str  # "gpu0", "proc", "sim"
+    utilization: float  # 0..1
+    memory_bytes: float = 0.0
+    source: str = "sim"  # sim | nvml | psutil
+
+
+RECORD_COLUMNS: tuple[str, ...] = (
+    "variant", "repeat", "request_id", "trace_id", "source", "session_id", "class",
+    "instance", "route", "arrival_s", "sent_s", "first_token_s", "finish_s", "ttft_s",
+    "tpot_s", "e2e_s", "input_tokens", "output_tokens", "cached_tokens", "ok", "error",
+    "turn", "group_id", "prefill_instance", "cache_tier", "queue_s", "kv_load_s",
+    "kv_transfer_s", "prefill_s", "decode_s",
+)  # fmt: skip
+
+UTIL_COLUMNS: tuple[str, ...] = (
+    "variant", "repeat", "time_s", "instance", "device", "utilization", "memory_bytes", "source",
+)  # fmt: skip

@@ -1,0 +1,53 @@
+"""Simulator fidelity settings: every simplification is a named, recorded setting."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from btb_lab.config import StrictModel
+
+__all__ = ["SimSettings"]
+
+
+class SimSettings(StrictModel):
+    """The `sim:` block of a hypothesis (and of a variant's overrides)."""
+
+    kv_visibility: Literal["after_prefill", "at_admission"] = Field(
+        "after_prefill",
+        description="When a request's KV becomes resident, matchable and copyable: after its "
+        "prefill completes (causal) or the moment it is admitted (the seed simulator).",
+    )
+    router_view: Literal["routed", "resident"] = Field(
+        "routed",
+        description="What a cache-aware router sees: prefixes it routed (SGLang's approximate "
+        "tree) or the engines' actual resident caches.",
+    )
+    layerwise: bool = Field(
+        False, description="KV transfer overlaps the producer's prefill layer by layer."
+    )
+    transfer_setup_ms: float = Field(
+        1.0, ge=0, description="Fixed latency of one KV transfer between instances."
+    )
+    connector_decode_slowdown: float = Field(
+        0.0,
+        ge=0,
+        description="Relative decode-step slowdown on instances running a KV connector (H1).",
+    )
+    mfu: float = Field(0.5, gt=0, le=1, description="Model FLOP utilization during prefill.")
+    mbu: float = Field(0.8, gt=0, le=1, description="Memory bandwidth utilization in decode.")
+    max_batch: int = Field(256, ge=1, description="Continuous-batching limit per instance.")
+    host_ram_tier: bool = Field(True, description="Evicted HBM blocks move to host RAM.")
+    disk_tier: bool = Field(False, description="Blocks evicted from host RAM move to disk.")
+    host_ram_bytes: float = Field(
+        512e9, ge=0, description="Host RAM available for KV per instance."
+    )
+    transferred_kv_reusable: bool = Field(
+        True,
+        description="KV received from another instance enters the receiver's prefix cache "
+        "and serves later turns (H6; only a real cluster can settle it).",
+    )
+    sample_interval_s: float = Field(
+        1.0, gt=0, description="Utilization sampling period on the simulated clock."
+    )

@@ -1,0 +1,47 @@
+"""The `workload:` block of a hypothesis: a trace file or a generator, plus time scaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from btb_lab.config import StrictModel
+
+__all__ = ["GeneratorSpec", "TraceSpec", "WorkloadSpec"]
+
+
+class TraceSpec(StrictModel):
+    path: str = Field(description="Trace file, relative to the hypothesis file's folder.")
+    format: str = Field("mooncake", description="Loader name: mooncake, bursted-art, art-chat.")
+    skip_bad_rows: bool = Field(
+        False, description="Count and report malformed rows instead of failing."
+    )
+
+
+class GeneratorSpec(StrictModel):
+    kind: str = Field(description="Generator name: bursted, agentic, poisson, gamma.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Generator parameters (validated by the generator)."
+    )
+
+
+class WorkloadSpec(StrictModel):
+    trace: TraceSpec | None = Field(None, description="Replay a trace file.")
+    generator: GeneratorSpec | None = Field(None, description="Generate requests.")
+    requests: int | None = Field(
+        None, ge=1, description="Use the first N requests (after ordering by arrival)."
+    )
+    offset: int = Field(0, ge=0, description="Skip this many requests first.")
+    time_scale: float = Field(
+        1.0,
+        gt=0,
+        description="Multiplies every inter-arrival gap: >1 calmer, <1 denser.",
+    )
+    block_tokens: int = Field(512, ge=1, description="Tokens per prefix-hash block.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WorkloadSpec:
+        if (self.trace is None) == (self.generator is None):
+            raise ValueError("give exactly one of 'trace' or 'generator'")
+        return self
