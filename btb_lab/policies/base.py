@@ -121,7 +121,6 @@ class Policy:
 
     def on_finish(self, request: Request, instance: int, now_s: float) -> None:
         """Called when a request completes; stateful policies may override."""
-        return None
 
 
 POLICIES: Registry[type[Policy]] = Registry("policy")

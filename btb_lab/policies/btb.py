@@ -1,0 +1,219 @@
+"""Biting the Bullet (BTB, alias `early_rdma`): predictive KV replication for bursts.
+
+If the same Y-block prefix arrives X times within Z seconds, the prefix becomes *active*:
+its first Y blocks are copied over RDMA from an instance holding a complete copy to the
+least-loaded instances lacking it, and every later request with that prefix goes to the
+least-loaded warm instance (route WARM_HIT). When the prompt is shorter than Y blocks,
+the burst has not fired, or (in `rdma` mode) no complete copy exists yet, the request is
+routed exactly as `cache_aware` would route it.
+
+Choices the seed leaves open, made here and documented:
+
+* M counts warm *replicas including the instances that already hold the prefix* (the
+  source among them): warming tops the warm set up to M, so M is the number of queues a
+  burst is spread over. On the seed's 4-instance cluster with M = 4 this equals copying
+  to every other instance, as the seed did.
+* Warming happens once per activation. An active prefix expires after `idle_expiry_s`
+  without arrivals; a later burst must be detected again.
+* `mode: prefill` is the seed's future-work speculative prefill: targets recompute the
+  prefix themselves (source None), so it fires without waiting for a complete copy.
+* Detection keys are a blake2b digest of the prefix block ids, never Python's `hash()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from btb_lab.config import StrictModel
+from btb_lab.policies.base import POLICIES, ClusterView, Decision, Policy, WarmAction
+from btb_lab.policies.cache_aware import CacheAwareParams, cache_aware_decision
+from btb_lab.policies.common import least_load, require_params, serving
+from btb_lab.records import Request
+
+__all__ = ["BTB", "BTBParams", "prefix_key"]
+
+ROUTE_WARM_HIT = "WARM_HIT"
+
+
+class BTBParams(CacheAwareParams):
+    """BTB's detector (X, Y, Z), warming (M, mode) and its cache-aware fallback."""
+
+    burst_count: int = Field(
+        2, ge=1, description="X: arrivals of the same prefix that mark a burst."
+    )
+    burst_window_s: float = Field(
+        1.0, gt=0, description="Z: the X arrivals must fall within this many seconds."
+    )
+    prefix_blocks: int = Field(
+        128,
+        ge=1,
+        description="Y: prefix length in blocks that identifies a burst "
+        "(128 × 512-token blocks = 65,536 tokens).",
+    )
+    prefix_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Y in tokens instead of blocks: ceil(prefix_tokens / block_tokens) "
+        "blocks of each request. Set this or prefix_blocks, not both.",
+    )
+    replicas: int = Field(
+        4,
+        ge=1,
+        description="M: warm replicas of an active prefix, counting the instances that "
+        "already hold it (the copy source among them).",
+    )
+    mode: Literal["rdma", "prefill"] = Field(
+        "rdma",
+        description="rdma: copy KV from a complete copy; prefill: targets recompute the "
+        "prefix speculatively (no source needed).",
+    )
+    idle_expiry_s: float = Field(
+        10.0, gt=0, description="An active prefix with no arrival for this long expires."
+    )
+
+    @model_validator(mode="after")
+    def _one_prefix_length(self) -> BTBParams:
+        if self.prefix_tokens is not None and "prefix_blocks" in self.model_fields_set:
+            raise ValueError("set prefix_blocks or prefix_tokens, not both")
+        return self
+
+
+def prefix_key(blocks: Sequence[int]) -> bytes:
+    """A stable 16-byte key of a prefix's block ids (same in every process)."""
+    try:
+        payload = struct.pack(f"<{len(blocks)}q", *blocks)
+    except struct.error:  # ids wider than 64 bits: fall back to their decimal text
+        payload = b",".join(str(block).encode() for block in blocks)
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class _Active:
+    """An active prefix: warmed targets, and when it was last seen."""
+
+    last_s: float
+    warmed: bool = False
+    targets: set[int] = field(default_factory=set)
+
+
+@POLICIES.register("btb", aliases=("early_rdma",))
+class BTB(Policy):
+    """Burst detection + RDMA warming on top of cache_aware. Routes: WARM_HIT, or the
+    fallback's CACHE_HIT / COLD / BALANCE."""
+
+    name: ClassVar[str] = "btb"
+    Params: ClassVar[type[StrictModel]] = BTBParams
+
+    def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
+        super().__init__(params, seed=seed)
+        self.cfg = require_params(params, BTBParams)
+        self._arrivals: dict[bytes, deque[float]] = {}
+        self._active: dict[bytes, _Active] = {}
+        self._next_sweep_s = -math.inf
+        self.fired = 0  # prefixes that became active
+        self.warm_actions = 0  # WarmActions emitted
+
+    def prefix_len_blocks(self, request: Request) -> int:
+        """Y for this request, in blocks."""
+        if self.cfg.prefix_tokens is not None:
+            return math.ceil(self.cfg.prefix_tokens / request.block_tokens)
+        return self.cfg.prefix_blocks
+
+    def is_active(self, blocks: Sequence[int]) -> bool:
+        """Whether the prefix made of exactly these blocks is active now."""
+        return prefix_key(blocks) in self._active
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        now_s = view.now_s
+        self._sweep(now_s)
+        y = self.prefix_len_blocks(request)
+        if len(request.block_hashes) < y:
+            return cache_aware_decision(request, view, self.cfg)
+        prefix = request.block_hashes[:y]
+        key = prefix_key(prefix)
+        active = self._active.get(key)
+        if active is not None and now_s - active.last_s > self.cfg.idle_expiry_s:
+            del self._active[key]
+            active = None
+        if active is None:
+            if not self._burst_fired(key, now_s):
+                return cache_aware_decision(request, view, self.cfg)
+            active = _Active(last_s=now_s)
+            self._active[key] = active
+            self.fired += 1
+        active.last_s = now_s
+        return self._route_active(request, view, prefix, active)
+
+    def _burst_fired(self, key: bytes, now_s: float) -> bool:
+        """Count one arrival; True when X arrivals fall within the last Z seconds."""
+        arrivals = self._arrivals.get(key)
+        if arrivals is None:
+            arrivals = self._arrivals[key] = deque()
+        horizon_s = now_s - self.cfg.burst_window_s
+        while arrivals and arrivals[0] < horizon_s:
+            arrivals.popleft()
+        arrivals.append(now_s)
+        if len(arrivals) >= self.cfg.burst_count:
+            del self._arrivals[key]
+            return True
+        return False
+
+    def _route_active(
+        self, request: Request, view: ClusterView, prefix: Sequence[int], active: _Active
+    ) -> Decision:
+        y = len(prefix)
+        candidates = serving(view)
+        holders = {
+            inst.index
+            for inst in candidates
+            if view.match_blocks(inst.index, prefix) >= y
+            or view.complete_blocks(inst.index, prefix) >= y
+        }
+        actions: tuple[WarmAction, ...] = ()
+        if not active.warmed:
+            source: int | None = None
+            if self.cfg.mode == "rdma":
+                complete = [
+                    inst for inst in candidates if view.complete_blocks(inst.index, prefix) >= y
+                ]
+                if not complete:  # nothing to copy from yet: plain cache-aware
+                    return cache_aware_decision(request, view, self.cfg)
+                source = least_load(complete).index
+            wanted = max(0, self.cfg.replicas - len(holders))
+            lacking = sorted(
+                (inst for inst in candidates if inst.index not in holders),
+                key=lambda inst: (inst.load, inst.index),
+            )
+            targets = [inst.index for inst in lacking[:wanted]]
+            actions = tuple(
+                WarmAction(source=source, target=t, n_blocks=y, mode=self.cfg.mode) for t in targets
+            )
+            active.targets.update(targets)
+            active.warmed = True
+            self.warm_actions += len(actions)
+        warm = holders | active.targets
+        warm_instances = [inst for inst in candidates if inst.index in warm]
+        if not warm_instances:  # the warm set left the cluster: route as cache_aware
+            return cache_aware_decision(request, view, self.cfg)
+        chosen = least_load(warm_instances)
+        return Decision(instance=chosen.index, route=ROUTE_WARM_HIT, warm=actions)
+
+    def _sweep(self, now_s: float) -> None:
+        """Forget stale detector state so memory tracks the live window, not the trace."""
+        if now_s < self._next_sweep_s:
+            return
+        self._next_sweep_s = now_s + self.cfg.burst_window_s
+        horizon_s = now_s - self.cfg.burst_window_s
+        for key in [k for k, q in self._arrivals.items() if q[-1] < horizon_s]:
+            del self._arrivals[key]
+        expiry_s = now_s - self.cfg.idle_expiry_s
+        for key in [k for k, a in self._active.items() if a.last_s < expiry_s]:
+            del self._active[key]

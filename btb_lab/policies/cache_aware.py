@@ -1,0 +1,101 @@
+"""SGLang-style cache-aware routing: longest prefix match while the cluster is balanced,
+least-load once it is not.
+
+Behaviour follows the SGLang router's `cache_aware` policy (model gateway), with these
+deliberate differences, each a parameter or a property of the ClusterView:
+
+* Absolute balance test: the seed (and ARCHITECTURE.md) compare the *maximum* load with
+  `balance_abs`; SGLang compares the max − min *spread*. Default `balance_abs_on: max`
+  reproduces the seed; `spread` reproduces SGLang.
+* Match threshold: SGLang sends a request to its best-matching worker only when the
+  match rate exceeds `--cache-threshold` (0.3 in current releases) and otherwise to the
+  worker with the smallest radix tree. The seed routes by any match, so the default
+  `cache_threshold` is 0.0; below the threshold this policy picks the least-loaded
+  instance, because a ClusterView exposes load, not tree sizes.
+* Prefix knowledge: SGLang matches raw text in an approximate per-worker tree built from
+  what it routed. Here the match is in blocks (`view.match_blocks`); whether it reflects
+  routed or resident blocks is the backend's declared `router_view`.
+* Ties among equally long matches go to the lower load, then the lower index (SGLang
+  picks the first worker found), so runs are deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from btb_lab.config import StrictModel
+from btb_lab.policies.base import POLICIES, ClusterView, Decision, Policy
+from btb_lab.policies.common import is_imbalanced, least_load, require_params, serving
+from btb_lab.records import Request
+
+__all__ = ["CacheAware", "CacheAwareParams", "cache_aware_decision"]
+
+ROUTE_CACHE_HIT = "CACHE_HIT"
+ROUTE_COLD = "COLD"
+ROUTE_BALANCE = "BALANCE"
+
+
+class CacheAwareParams(StrictModel):
+    """Parameters of the cache-aware router (SGLang's names without the dashes)."""
+
+    balance_abs: float = Field(
+        64,
+        ge=0,
+        description="Absolute imbalance threshold in requests (SGLang --balance-abs-threshold).",
+    )
+    balance_rel: float = Field(
+        1.5,
+        ge=1.0,
+        description="Relative imbalance threshold: max load vs this × min load "
+        "(SGLang --balance-rel-threshold).",
+    )
+    balance_abs_on: Literal["max", "spread"] = Field(
+        "max",
+        description="What the absolute threshold tests: the maximum load (the seed's rule) "
+        "or the max − min spread (SGLang's rule).",
+    )
+    cache_threshold: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Route by prefix only when the best match covers more than this "
+        "fraction of the prompt's blocks; else least-load (SGLang default 0.3; seed 0).",
+    )
+
+
+def cache_aware_decision(request: Request, view: ClusterView, params: CacheAwareParams) -> Decision:
+    """The cache-aware choice for one request (shared with `btb`, whose fallback it is)."""
+    candidates = serving(view)
+    if is_imbalanced(
+        candidates,
+        abs_threshold=params.balance_abs,
+        rel_threshold=params.balance_rel,
+        spread=params.balance_abs_on == "spread",
+    ):
+        return Decision(instance=least_load(candidates).index, route=ROUTE_BALANCE)
+    blocks = request.block_hashes
+    if blocks:
+        matches = [(view.match_blocks(inst.index, blocks), inst) for inst in candidates]
+        best_blocks = max(m for m, _ in matches)
+        if best_blocks > 0 and best_blocks / len(blocks) > params.cache_threshold:
+            best = least_load([inst for m, inst in matches if m == best_blocks])
+            return Decision(instance=best.index, route=ROUTE_CACHE_HIT)
+    return Decision(instance=least_load(candidates).index, route=ROUTE_COLD)
+
+
+@POLICIES.register("cache_aware")
+class CacheAware(Policy):
+    """Longest prefix match, ties by load then index; least-load past both thresholds.
+    Routes: CACHE_HIT (prefix match chose), COLD (no useful match), BALANCE (imbalanced)."""
+
+    name: ClassVar[str] = "cache_aware"
+    Params: ClassVar[type[StrictModel]] = CacheAwareParams
+
+    def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
+        super().__init__(params, seed=seed)
+        self.cfg = require_params(params, CacheAwareParams)
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        return cache_aware_decision(request, view, self.cfg)
