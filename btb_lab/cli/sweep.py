@@ -1,12 +1,67 @@
-"""`btb-lab sweep` command."""
+"""`btb-lab sweep`: run a sweep file's points (locally or on Ray) into one table and plot."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from btb_lab.errors import UserError
 
 __all__ = ["register"]
 
 
 def register(app: typer.Typer) -> None:
     """Add the sweep command to the main app."""
-    return None
+
+    @app.command()
+    def sweep(
+        file: Path = typer.Argument(..., help="Sweep file (see experiments/)."),
+        jobs: int = typer.Option(
+            1, "--jobs", "-j", help="Points run in parallel processes (local executor)."
+        ),
+        executor: str | None = typer.Option(
+            None,
+            "--executor",
+            help="local (this machine) or ray (tasks on RAY_ADDRESS, or a local Ray "
+            "instance when unset). Default: the sweep file's `executor`.",
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="Sweep directory (default results/sweeps/<name>/)."
+        ),
+        seed: int | None = typer.Option(None, "--seed", help="Master seed for every point."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="List the points and exit."),
+    ) -> None:
+        """Run every point of a sweep as its own run directory, skipping finished points
+        (resume), then write table.csv, table.md and plot.png into the sweep directory."""
+        from btb_lab.sweep import default_sweep_dir, expand_points, load_sweep, run_sweep
+
+        if executor not in (None, "local", "ray"):
+            raise UserError(f"--executor: {executor!r} is not one of: local, ray")
+        if dry_run:
+            loaded = load_sweep(file)
+            points = expand_points(loaded.spec)
+            typer.echo(f"sweep {loaded.spec.name}: base {loaded.base_path}, {len(points)} points")
+            for p in points:
+                ov = ", ".join(f"{k}={v}" for k, v in p.overrides.items())
+                typer.echo(f"  {p.point_id}: {ov}")
+            typer.echo(f"output: {out or default_sweep_dir(loaded)}")
+            return
+        outcome = run_sweep(
+            file,
+            jobs=jobs,
+            executor="ray" if executor == "ray" else ("local" if executor else None),
+            out=out,
+            seed=seed,
+            echo=typer.echo,
+        )
+        md = outcome.outputs.get("markdown")
+        if md is not None:
+            typer.echo(md.read_text(encoding="utf-8"))
+        for name, path in outcome.outputs.items():
+            typer.echo(f"{name}: {path}")
+        if outcome.failed:
+            typer.echo(f"{len(outcome.failed)} point(s) failed:", err=True)
+            for pid, err in outcome.failed.items():
+                typer.echo(f"  {pid}: {err}", err=True)
+            raise typer.Exit(1)

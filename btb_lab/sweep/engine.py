@@ -1,0 +1,355 @@
+"""Running a sweep: every point as its own run directory, skipping finished ones, on one
+machine (in-process or a process pool) or as Ray tasks, then one table and one plot.
+
+Layout of a sweep directory:
+
+    <sweep dir>/sweep.json              the expanded plan (points, overrides, base file)
+    <sweep dir>/points/<point id>/      one run directory per point (manifest, summary, ...)
+    <sweep dir>/points/<point id>/point.json   written after the run finished
+    <sweep dir>/table.csv, table.md, plot.png
+
+A point is finished when its manifest says `complete: true`, its summary exists and its
+point.json matches the point's overrides and the base file's digest; anything else is
+rerun from scratch, so an interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+
+from btb_lab.errors import UserError
+from btb_lab.sweep.plan import PointTask, SweepPoint, expand_points, overrides_digest
+from btb_lab.sweep.spec import LoadedSweep, load_sweep
+from btb_lab.sweep.table import build_table, write_outputs
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "RunPointFn",
+    "SweepOutcome",
+    "default_sweep_dir",
+    "is_point_complete",
+    "plan_tasks",
+    "read_summaries",
+    "run_point",
+    "run_sweep",
+]
+
+RunPointFn = Callable[[PointTask], None]
+Executor = Literal["local", "ray"]
+
+
+def run_point(task: PointTask) -> None:
+    """Run the base hypothesis with the point's overrides into `task.run_dir` (the
+    default point runner; importable by name so process pools and Ray workers find it)."""
+    from btb_lab.runner import RunOptions, run_hypothesis
+
+    options = RunOptions(
+        out=Path(task.run_dir),
+        overrides=dict(task.overrides),
+        seed=task.seed,
+        progress=False,
+    )
+    run_hypothesis(Path(task.base_path), options)
+
+
+@dataclass
+class SweepOutcome:
+    """What a sweep did and where its outputs are."""
+
+    sweep_dir: Path
+    points: list[SweepPoint]
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    table: pd.DataFrame | None = None
+    outputs: dict[str, Path] = field(default_factory=dict)
+
+
+def default_sweep_dir(loaded: LoadedSweep) -> Path:
+    """results/sweeps/<name>/ under the current directory: fixed, so reruns resume."""
+    return Path("results") / "sweeps" / loaded.spec.name
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.blake2b(path.read_bytes(), digest_size=8).hexdigest()
+
+
+def _point_record(task: PointTask, base_digest: str) -> dict[str, Any]:
+    return {
+        "point_id": task.point_id,
+        "labels": task.labels,
+        "overrides": task.overrides,
+        "overrides_digest": overrides_digest(task.overrides),
+        "base": task.base_path,
+        "base_digest": base_digest,
+        "seed": task.seed,
+    }
+
+
+def is_point_complete(task: PointTask, base_digest: str) -> bool:
+    """True when the point's run finished and was made from the same inputs."""
+    run_dir = Path(task.run_dir)
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+        point = json.loads((run_dir / "point.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if manifest.get("complete") is not True or not (run_dir / "summary.json").is_file():
+        return False
+    expected = _point_record(task, base_digest)
+    return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
+
+
+def plan_tasks(loaded: LoadedSweep, sweep_dir: Path, *, seed: int | None = None) -> list[PointTask]:
+    """The sweep's points as runnable tasks, each with its own run directory."""
+    base = str(loaded.base_path)
+    chosen_seed = seed if seed is not None else loaded.spec.seed
+    return [
+        PointTask(
+            point_id=p.point_id,
+            labels=p.labels,
+            base_path=base,
+            overrides=p.overrides,
+            run_dir=str((sweep_dir / "points" / p.point_id).resolve()),
+            seed=chosen_seed,
+        )
+        for p in expand_points(loaded.spec)
+    ]
+
+
+def _validate_points(tasks: Sequence[PointTask]) -> None:
+    """Load the base hypothesis with every point's overrides before running anything, so
+    a bad override path fails the sweep at once, naming the point."""
+    from btb_lab.hypothesis import load_hypothesis
+
+    for task in tasks:
+        try:
+            load_hypothesis(Path(task.base_path), dict(task.overrides))
+        except UserError as exc:
+            raise UserError(f"sweep point {task.point_id}: {exc}") from None
+
+
+def _run_into_temp(task: PointTask, run_fn: RunPointFn) -> dict[str, bytes]:
+    """Ray worker body: run into a local temporary folder and return the files, so the
+    results land in the driver's sweep directory even when the worker is another host."""
+    with tempfile.TemporaryDirectory(prefix="btb-sweep-") as tmp:
+        local_dir = Path(tmp) / task.point_id
+        run_fn(replace(task, run_dir=str(local_dir)))
+        return {
+            str(p.relative_to(local_dir)): p.read_bytes()
+            for p in sorted(local_dir.rglob("*"))
+            if p.is_file()
+        }
+
+
+def _write_files(run_dir: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        target = run_dir / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def _execute_local(
+    tasks: Sequence[PointTask], run_fn: RunPointFn, jobs: int,
+    done: Callable[[PointTask, str | None], None],
+) -> None:  # fmt: skip
+    if jobs <= 1:
+        for task in tasks:
+            try:
+                run_fn(task)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:
+                done(task, _describe(exc))
+            else:
+                done(task, None)
+        return
+    with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_fn, task): task for task in tasks}
+        for fut in cf.as_completed(futures):
+            err = fut.exception()
+            done(futures[fut], None if err is None else _describe(err))
+
+
+def _execute_ray(
+    tasks: Sequence[PointTask], run_fn: RunPointFn,
+    done: Callable[[PointTask, str | None], None],
+) -> None:  # fmt: skip
+    try:
+        import ray
+    except ImportError:
+        raise UserError(
+            "--executor ray needs Ray, an optional extra: pip install 'btb-lab[ray]'"
+        ) from None
+    started = False
+    if not ray.is_initialized():
+        # RAY_ADDRESS names an existing cluster; unset, ray.init() starts a local one.
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or None,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        started = True
+    try:
+        remote = ray.remote(num_cpus=1)(_run_into_temp)
+        pending = {remote.remote(task, run_fn): task for task in tasks}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                task = pending.pop(ref)
+                try:
+                    files = ray.get(ref)
+                except Exception as exc:
+                    done(task, _describe(exc))
+                    continue
+                _write_files(Path(task.run_dir), files)
+                done(task, None)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, UserError):
+        return str(exc)
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def read_summaries(tasks: Sequence[PointTask]) -> dict[str, dict[str, Any] | None]:
+    """Each point's summary.json (None where the point has none)."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for task in tasks:
+        path = Path(task.run_dir) / "summary.json"
+        try:
+            out[task.point_id] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            out[task.point_id] = None
+    return out
+
+
+def _baseline_name(loaded: LoadedSweep) -> str:
+    if loaded.spec.table.baseline:
+        return loaded.spec.table.baseline
+    data = yaml.safe_load(loaded.base_path.read_text(encoding="utf-8")) or {}
+    baseline = loaded.spec.overrides.get("baseline", data.get("baseline"))
+    if not isinstance(baseline, str):
+        raise UserError(f"{loaded.base_path}: base hypothesis names no baseline")
+    return baseline
+
+
+def run_sweep(
+    path: Path,
+    *,
+    jobs: int = 1,
+    executor: Executor | None = None,
+    out: Path | None = None,
+    seed: int | None = None,
+    run_fn: RunPointFn = run_point,
+    validate: bool = True,
+    echo: Callable[[str], None] | None = None,
+) -> SweepOutcome:
+    """Run (or resume) the sweep in `path` and write its table and plot.
+
+    `run_fn` runs one point into `task.run_dir` (the real runner by default; tests inject
+    a fake). `validate` loads the base hypothesis with every point's overrides first.
+    """
+    loaded = load_sweep(Path(path))
+    if jobs < 1:
+        raise UserError("--jobs must be at least 1")
+    chosen: Executor = executor or loaded.spec.executor
+    sweep_dir = Path(out) if out is not None else default_sweep_dir(loaded)
+    tasks = plan_tasks(loaded, sweep_dir, seed=seed)
+    if validate:
+        _validate_points(tasks)
+    base_digest = _file_digest(loaded.base_path)
+    say = echo or (lambda _msg: None)
+
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    plan_doc = {
+        "name": loaded.spec.name,
+        "sweep_file": str(loaded.path.resolve()),
+        "base": str(loaded.base_path),
+        "base_digest": base_digest,
+        "seed": tasks[0].seed if tasks else seed,
+        "points": [_point_record(t, base_digest) for t in tasks],
+    }
+    (sweep_dir / "sweep.json").write_text(
+        json.dumps(plan_doc, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8"
+    )
+
+    points = expand_points(loaded.spec)
+    outcome = SweepOutcome(sweep_dir=sweep_dir, points=points)
+    todo: list[PointTask] = []
+    for task in tasks:
+        if is_point_complete(task, base_digest):
+            outcome.skipped.append(task.point_id)
+        else:
+            run_dir = Path(task.run_dir)
+            if run_dir.exists():  # an unfinished or stale run of this point: start over
+                shutil.rmtree(run_dir)
+            todo.append(task)
+    say(
+        f"sweep {loaded.spec.name}: {len(tasks)} points, {len(outcome.skipped)} already "
+        f"finished, {len(todo)} to run ({chosen}, jobs={jobs if chosen == 'local' else 'ray'})"
+    )
+
+    finished = 0
+
+    def done(task: PointTask, error: str | None) -> None:
+        nonlocal finished
+        finished += 1
+        run_dir = Path(task.run_dir)
+        if error is None and not (run_dir / "summary.json").is_file():
+            error = "the run wrote no summary.json"
+        if error is None:
+            (run_dir / "point.json").write_text(
+                json.dumps(_point_record(task, base_digest), indent=2, sort_keys=True,
+                           default=str) + "\n",
+                encoding="utf-8",
+            )  # fmt: skip
+            outcome.ran.append(task.point_id)
+            say(f"[{finished}/{len(todo)}] {task.point_id}: done")
+        else:
+            outcome.failed[task.point_id] = error
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "error.txt").write_text(error + "\n", encoding="utf-8")
+            say(f"[{finished}/{len(todo)}] {task.point_id}: FAILED: {error}")
+
+    if todo:
+        if chosen == "ray":
+            _execute_ray(todo, run_fn, done)
+        else:
+            _execute_local(todo, run_fn, jobs, done)
+
+    summaries = read_summaries(tasks)
+    baseline = _baseline_name(loaded)
+    df = build_table(points, summaries, loaded.spec.table, baseline)
+    label_columns = list(points[0].labels) if points else []
+    variants = list(df.attrs.get("variants", []))
+    title = f"Sweep {loaded.spec.name}" + (
+        f": {loaded.spec.table.scope} requests" if loaded.spec.table.scope != "all" else ""
+    )
+    outcome.table = df
+    outcome.outputs = write_outputs(
+        df,
+        sweep_dir,
+        loaded.spec.table,
+        label_columns=label_columns,
+        variants=variants,
+        title=title,
+    )
+    return outcome

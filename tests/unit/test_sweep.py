@@ -1,0 +1,307 @@
+"""Sweep engine: grid expansion, override merging, resume, tables, executors, CLI.
+
+The point runner is injected (a fake that writes a manifest and a summary whose numbers
+are a known function of the point's overrides), so these tests check the engine, not
+the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from btb_lab.errors import UserError, ValidationFailed
+from btb_lab.sweep import (
+    PointTask,
+    build_table,
+    expand_points,
+    load_sweep,
+    run_sweep,
+)
+from btb_lab.sweep.spec import TableSpec
+
+BASE_YAML = "id: T1\nbaseline: cache_aware\n"
+
+
+def fake_run(task: PointTask) -> None:
+    """Writes what the runner writes: TTFT = scale × (1 for cache_aware, 0.6 for btb)."""
+    scale = float(task.overrides.get("workload.time_scale", 1.0))
+    model_factor = {"small": 1.0, "large": 3.0}.get(str(task.overrides.get("model")), 1.0)
+    if task.overrides.get("fail"):
+        raise RuntimeError("simulated failure")
+    run_dir = Path(task.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    calls = run_dir.parent.parent / "calls.log"
+    with calls.open("a", encoding="utf-8") as fh:
+        fh.write(task.point_id + "\n")
+    base = scale * model_factor
+    summary = {
+        "verdict": {"word": "VALIDATED", "reason": "fake"},
+        "variants": {
+            "btb": {
+                "all": {"ttft_mean": 0.6 * base, "ttft_p95": 1.2 * base},
+                "classes": {"HEAVY": {"ttft_mean": 2.0 * base}},
+                "gpu": {"imbalance": 1.5},
+            },
+            "cache_aware": {
+                "all": {"ttft_mean": base, "ttft_p95": 2.0 * base},
+                "classes": {"HEAVY": {"ttft_mean": 4.0 * base}},
+                "gpu": {"imbalance": 3.0},
+            },
+        },
+        "seed": task.seed,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    (run_dir / "manifest.json").write_text(json.dumps({"complete": True}), encoding="utf-8")
+
+
+def write_sweep(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "base.yaml").write_text(BASE_YAML, encoding="utf-8")
+    path = tmp_path / "sweep.yaml"
+    path.write_text("name: t\nbase: base.yaml\n" + body, encoding="utf-8")
+    return path
+
+
+def calls(sweep_dir: Path) -> list[str]:
+    log = sweep_dir / "calls.log"
+    return log.read_text(encoding="utf-8").split() if log.exists() else []
+
+
+GRID_SWEEP = """
+overrides: {workload.requests: 50}
+axes:
+  size:
+    small: {model: small}
+    large: {model: large}
+grid:
+  workload.time_scale: [1.0, 2.0, 4.0]
+"""
+
+
+# ------------------------------------------------------------------------- expansion
+
+
+def test_grid_expansion_is_cartesian_in_file_order(tmp_path: Path) -> None:
+    spec = load_sweep(write_sweep(tmp_path, GRID_SWEEP)).spec
+    points = expand_points(spec)
+    assert len(points) == 6
+    assert [(p.labels["size"], p.labels["workload.time_scale"]) for p in points] == [
+        ("small", "1"), ("small", "2"), ("small", "4"),
+        ("large", "1"), ("large", "2"), ("large", "4"),
+    ]  # fmt: skip
+    assert points[4].overrides == {
+        "workload.requests": 50,
+        "model": "large",
+        "workload.time_scale": 2.0,
+    }
+    assert len({p.point_id for p in points}) == 6
+
+
+def test_points_list_crosses_axes_and_later_sources_win(tmp_path: Path) -> None:
+    body = """
+overrides: {model: common, seed: 1}
+points:
+  - {label: a, overrides: {model: from-point, x: 1}}
+  - {label: b, overrides: {x: 2}}
+axes:
+  wl:
+    bursted: {workload.generator.kind: bursted}
+    plain: {workload.generator.kind: poisson, x: 3}
+"""
+    points = expand_points(load_sweep(write_sweep(tmp_path, body)).spec)
+    assert [tuple(p.labels.values()) for p in points] == [
+        ("a", "bursted"), ("a", "plain"), ("b", "bursted"), ("b", "plain"),
+    ]  # fmt: skip
+    assert points[0].overrides["model"] == "from-point"
+    assert points[2].overrides["model"] == "common"
+    assert points[1].overrides["x"] == 3  # the axis comes after the point
+    assert points[0].overrides["x"] == 1
+
+
+def test_point_ids_are_stable_and_change_with_overrides(tmp_path: Path) -> None:
+    spec = load_sweep(write_sweep(tmp_path, GRID_SWEEP)).spec
+    ids = [p.point_id for p in expand_points(spec)]
+    assert ids == [p.point_id for p in expand_points(spec)]
+    changed = load_sweep(
+        write_sweep(tmp_path, GRID_SWEEP.replace("requests: 50", "requests: 60"))
+    ).spec
+    assert set(ids).isdisjoint(p.point_id for p in expand_points(changed))
+    assert ids[0].startswith("small_1-")
+
+
+# ----------------------------------------------------------------------- validation
+
+
+def test_unknown_key_names_file_line_and_field(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, "table:\n  metrix: [ttft_mean]\n")
+    with pytest.raises(ValidationFailed) as info:
+        load_sweep(path)
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{path}:4: table.metrix:")
+    assert "unknown key" in problem
+
+
+def test_empty_grid_and_missing_base_are_user_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValidationFailed, match="has no values"):
+        load_sweep(write_sweep(tmp_path, "grid: {seed: []}\n"))
+    path = tmp_path / "s.yaml"
+    path.write_text("name: t\nbase: nowhere.yaml\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"s\.yaml:2: base: .*nowhere\.yaml not found"):
+        load_sweep(path)
+
+
+# --------------------------------------------------------------------- run and table
+
+
+def test_run_writes_table_with_values_and_reductions(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, GRID_SWEEP + "seed: 7\n")
+    out = tmp_path / "out"
+    outcome = run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert sorted(outcome.ran) == sorted(p.point_id for p in outcome.points)
+    df = pd.read_csv(out / "table.csv")
+    assert len(df) == 6
+    row = df[(df["size"] == "large") & (df["workload.time_scale"] == 4)].iloc[0]
+    assert row["cache_aware ttft_mean"] == pytest.approx(12.0)
+    assert row["btb ttft_mean"] == pytest.approx(7.2)
+    assert row["ttft_mean reduction % (btb vs cache_aware)"] == pytest.approx(40.0)
+    assert row["ttft_p95 reduction % (btb vs cache_aware)"] == pytest.approx(40.0)
+    assert row["verdict"] == "VALIDATED"
+    # the baseline comes first, read from the base hypothesis
+    assert list(df.columns).index("cache_aware ttft_mean") < list(df.columns).index("btb ttft_mean")
+    md = (out / "table.md").read_text(encoding="utf-8")
+    assert "| large | 4 |" in md
+    assert "+40.0%" in md
+    assert (out / "plot.png").stat().st_size > 1000
+    # the sweep's seed reached every point
+    summary = json.loads(next((out / "points").glob("*/summary.json")).read_text())
+    assert summary["seed"] == 7
+
+
+def test_table_scope_class_and_gpu_metrics() -> None:
+    from btb_lab.sweep.plan import SweepPoint
+
+    points = [SweepPoint("p1", {"x": "1"}, {}), SweepPoint("p2", {"x": "2"}, {})]
+    summary = {
+        "variants": {
+            "a": {"classes": {"HEAVY": {"ttft_p50": 4.0}}, "gpu": {"imbalance": 2.0}},
+            "b": {"classes": {"HEAVY": {"ttft_p50": 5.0}}, "gpu": {"imbalance": 1.0}},
+        }
+    }
+    table = TableSpec(metrics=["ttft_p50", "gpu_imbalance"], scope="HEAVY")
+    df = build_table(points, {"p1": summary, "p2": None}, table, baseline="a")
+    assert df.loc[0, "ttft_p50 reduction % (b vs a)"] == pytest.approx(-25.0)
+    assert df.loc[0, "gpu_imbalance reduction % (b vs a)"] == pytest.approx(50.0)
+    assert df.loc[1, "status"] == "failed"
+    assert math.isnan(df.loc[1, "a ttft_p50"])
+
+
+def test_resume_skips_finished_points_and_reruns_unfinished(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    out = tmp_path / "out"
+    run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert len(calls(out)) == 6
+    first_csv = (out / "table.csv").read_bytes()
+
+    again = run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert len(calls(out)) == 6  # nothing ran
+    assert len(again.skipped) == 6
+    assert not again.ran
+    assert (out / "table.csv").read_bytes() == first_csv
+
+    # one point interrupted: its manifest says incomplete → only it runs again
+    victim = again.points[2].point_id
+    manifest = out / "points" / victim / "manifest.json"
+    manifest.write_text(json.dumps({"complete": False}), encoding="utf-8")
+    third = run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert third.ran == [victim]
+    assert calls(out)[6:] == [victim]
+
+    # a point without point.json (crashed before it was recorded) is not finished
+    (out / "points" / victim / "point.json").unlink()
+    fourth = run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert fourth.ran == [victim]
+
+    # editing the base hypothesis makes every point stale
+    (tmp_path / "base.yaml").write_text(BASE_YAML + "title: changed\n", encoding="utf-8")
+    fifth = run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert len(fifth.ran) == 6
+
+
+def test_failed_point_is_reported_and_others_finish(tmp_path: Path) -> None:
+    body = "points:\n  - {label: ok, overrides: {}}\n  - {label: bad, overrides: {fail: true}}\n"
+    path = write_sweep(tmp_path, body)
+    out = tmp_path / "out"
+    outcome = run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert len(outcome.ran) == 1
+    (bad_id,) = outcome.failed
+    assert "simulated failure" in outcome.failed[bad_id]
+    assert "simulated failure" in (out / "points" / bad_id / "error.txt").read_text()
+    df = pd.read_csv(out / "table.csv")
+    assert df.set_index("point")["status"].to_dict() == {"ok": "ok", "bad": "failed"}
+    # the failed point is retried on the next invocation
+    fixed = path.read_text().replace("{fail: true}", "{fail: false}")
+    path.write_text(fixed, encoding="utf-8")
+    assert len(run_sweep(path, out=out, run_fn=fake_run, validate=False).ran) == 1
+
+
+def test_process_pool_gives_the_same_table_as_serial(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    run_sweep(path, out=tmp_path / "serial", run_fn=fake_run, validate=False)
+    run_sweep(path, out=tmp_path / "pool", run_fn=fake_run, validate=False, jobs=2)
+    assert (tmp_path / "serial" / "table.csv").read_bytes() == (
+        tmp_path / "pool" / "table.csv"
+    ).read_bytes()
+    assert len(calls(tmp_path / "pool")) == 6
+
+
+def test_ray_executor_without_ray_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray → ImportError
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    with pytest.raises(UserError, match=r"pip install 'btb-lab\[ray\]'"):
+        run_sweep(path, out=tmp_path / "o", run_fn=fake_run, validate=False, executor="ray")
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def test_cli_help_and_dry_run(tmp_path: Path) -> None:
+    from btb_lab.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["sweep", "--help"])
+    assert result.exit_code == 0
+    assert "--executor" in result.output
+    assert "--jobs" in result.output
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    result = runner.invoke(app, ["sweep", str(path), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "6 points" in result.output
+    assert "model=large" in result.output
+    assert not (tmp_path / "results").exists()
+
+
+def test_cli_rejects_unknown_executor(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "btb-lab"), "sweep", str(path), "--executor", "slurm"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "--executor" in proc.stderr
+    assert "local, ray" in proc.stderr
+    assert "Traceback" not in proc.stderr
