@@ -36,7 +36,15 @@ class WorkloadSpec(StrictModel):
     time_scale: float = Field(
         1.0,
         gt=0,
-        description="Multiplies every inter-arrival gap: >1 calmer, <1 denser.",
+        description="Multiplies every inter-arrival gap: >1 calmer, <1 denser (the seed "
+        "simulator's ARRIVAL_SCALE; time_scale=10 is a heavier load than 20). Arrivals are "
+        "re-based so each window (trace_id) starts at 0 before scaling.",
+    )
+    window_gap_s: float = Field(
+        0.0,
+        ge=0,
+        description="Idle seconds between consecutive windows (trace_ids): windows replay "
+        "one after another on one timeline, never overlapping.",
     )
     block_tokens: int = Field(512, ge=1, description="Tokens per prefix-hash block.")
 

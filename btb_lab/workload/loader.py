@@ -1,0 +1,115 @@
+"""The workload entry point: a `WorkloadSpec` becomes the ordered `Request`s to replay.
+
+Order of operations: load (trace or generator) → order by window, then arrival →
+`offset` / `requests` slice → re-base each window to its first request → multiply every
+gap by `time_scale` → lay windows end to end (`window_gap_s` apart) → set `block_tokens`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from btb_lab.errors import UserError
+from btb_lab.records import Request
+from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
+from btb_lab.workload.generators import GENERATORS, GenContext, parse_params
+from btb_lab.workload.spec import WorkloadSpec
+
+__all__ = ["RequestList", "apply_time_scale", "load_requests", "validate_workload_spec"]
+
+
+class RequestList(list[Request]):
+    """The requests to replay, plus the malformed rows skipped under `skip_bad_rows`."""
+
+    def __init__(self, requests: list[Request], skipped: list[str] | None = None) -> None:
+        super().__init__(requests)
+        self.skipped: list[str] = list(skipped or [])
+
+    @property
+    def skipped_rows(self) -> int:
+        """How many malformed rows were skipped (each one's message is in `skipped`)."""
+        return len(self.skipped)
+
+
+def _trace_path(spec: WorkloadSpec, base_dir: Path) -> Path:
+    assert spec.trace is not None
+    path = Path(spec.trace.path)
+    return path if path.is_absolute() else base_dir / path
+
+
+def validate_workload_spec(spec: WorkloadSpec, base_dir: Path) -> None:
+    """Cheap checks at validate time: names, generator params, trace file existence."""
+    if spec.trace is not None:
+        FORMATS.canonical(spec.trace.format)
+        path = _trace_path(spec, base_dir)
+        if not path.is_file():
+            raise UserError(f"workload.trace.path: trace file not found: {path}")
+    if spec.generator is not None:
+        GENERATORS.canonical(spec.generator.kind)
+        params = parse_params(spec.generator.kind, spec.generator.params)
+        real_trace = getattr(params, "real_trace", None)
+        if real_trace:
+            path = Path(real_trace) if Path(real_trace).is_absolute() else base_dir / real_trace
+            if not path.is_file():
+                raise UserError(f"workload.generator.params.real_trace: not found: {path}")
+
+
+def apply_time_scale(
+    requests: list[Request], time_scale: float, window_gap_s: float = 0.0
+) -> list[Request]:
+    """Re-base each window to its first request, scale gaps, lay windows end to end.
+
+    Windows keep the order in which they first appear in `requests`. Mutates and returns
+    the same objects ordered by their new arrival times.
+    """
+    windows: dict[str, list[Request]] = {}
+    for request in requests:
+        windows.setdefault(request.trace_id, []).append(request)
+    out: list[Request] = []
+    window_start_s = 0.0
+    for members in windows.values():
+        members.sort(key=lambda r: r.arrival_s)
+        first_s = members[0].arrival_s
+        for request in members:
+            request.arrival_s = window_start_s + (request.arrival_s - first_s) * time_scale
+        out.extend(members)
+        window_start_s = members[-1].arrival_s + window_gap_s
+    return out
+
+
+def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestList:
+    """The requests a hypothesis replays, ordered by arrival, with `time_scale` applied."""
+    validate_workload_spec(spec, base_dir)
+    if spec.trace is not None:
+        loaded = load_trace(
+            _trace_path(spec, base_dir),
+            spec.trace.format,
+            block_tokens=spec.block_tokens,
+            skip_bad_rows=spec.trace.skip_bad_rows,
+        )
+    else:
+        assert spec.generator is not None
+        entry = GENERATORS.get(spec.generator.kind)
+        params = parse_params(spec.generator.kind, spec.generator.params)
+        ctx = GenContext(seed=seed, block_tokens=spec.block_tokens, base_dir=base_dir)
+        loaded = LoadedTrace(entry.generate(params, ctx))
+    window_order: dict[str, int] = {}
+    for request in loaded.requests:
+        window_order.setdefault(request.trace_id, len(window_order))
+    ordered = sorted(
+        enumerate(loaded.requests),
+        key=lambda item: (window_order[item[1].trace_id], item[1].arrival_s, item[0]),
+    )
+    selected = [request for _, request in ordered][spec.offset :]
+    if spec.requests is not None:
+        selected = selected[: spec.requests]
+    if not selected:
+        raise UserError(
+            f"workload: no requests left after offset={spec.offset}"
+            + (f", requests={spec.requests}" if spec.requests is not None else "")
+        )
+    for request in selected:
+        request.block_tokens = spec.block_tokens
+    return RequestList(
+        apply_time_scale(selected, spec.time_scale, spec.window_gap_s), loaded.bad_rows
+    )
