@@ -48,6 +48,13 @@ class SimSettings(StrictModel):
         description="KV received from another instance enters the receiver's prefix cache "
         "and serves later turns (H6; only a real cluster can settle it).",
     )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of HBM the engine may use (vLLM's gpu_memory_utilization); KV "
+        "gets what is left after the weights.",
+    )
     sample_interval_s: float = Field(
         1.0, gt=0, description="Utilization sampling period on the simulated clock."
     )

@@ -1,0 +1,148 @@
+"""Modeled costs: prefill compute, KV movement per tier, and the seed's cost table.
+
+The same formulas serve the simulator, cost-based policies (through `SimCostModel`, the
+`CostModel` protocol of `btb_lab.policies.base`) and `btb-lab sim costs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from btb_lab.sim.hardware import InstanceSpec, build_instances
+
+if TYPE_CHECKING:
+    from btb_lab.hypothesis.schema import ClusterSpec, Hypothesis, ModelShape
+    from btb_lab.sim.settings import SimSettings
+
+__all__ = [
+    "COST_TABLE_TIERS",
+    "COST_TABLE_TOKENS",
+    "SimCostModel",
+    "build_cost_model",
+    "cost_table",
+    "format_ms",
+    "format_tokens",
+    "load_s",
+    "prefill_s",
+    "render_cost_table",
+]
+
+COST_TABLE_TOKENS: tuple[int, ...] = (500, 1_000, 2_000, 8_000, 16_000, 32_000)
+COST_TABLE_TIERS: tuple[str, ...] = ("prefill", "disk", "RDMA", "RAM", "HBM")
+
+
+def prefill_s(inst: InstanceSpec, tokens: float, mfu: float) -> float:
+    """Compute-bound prefill: 2 × active params × tokens / (FLOP/s × MFU)."""
+    return 2.0 * inst.model.active_params * tokens / (inst.flops * mfu)
+
+
+def tier_bandwidth(inst: InstanceSpec, tier: str) -> float:
+    """Bytes/s at which `inst` can make KV resident from `tier`."""
+    bws = {
+        "hbm": inst.hbm_bw,
+        "ram": inst.ram_bw,
+        "rdma": inst.rdma_bw,
+        "remote": inst.rdma_bw,
+        "disk": inst.disk_bw,
+    }
+    return bws[tier.lower()]
+
+
+def load_s(inst: InstanceSpec, tokens: float, tier: str) -> float:
+    """Bytes of `tokens` of KV over the tier's bandwidth (no setup latency)."""
+    return tokens * inst.kv_bytes_per_token / tier_bandwidth(inst, tier)
+
+
+def cost_table(
+    inst: InstanceSpec, mfu: float = 0.5, tokens: Sequence[int] = COST_TABLE_TOKENS
+) -> dict[str, list[float]]:
+    """Milliseconds to make N tokens of KV resident, per source (the seed's table)."""
+    table: dict[str, list[float]] = {"prefill": [prefill_s(inst, n, mfu) * 1e3 for n in tokens]}
+    for tier in COST_TABLE_TIERS[1:]:
+        table[tier] = [load_s(inst, n, tier) * 1e3 for n in tokens]
+    return table
+
+
+def format_ms(value_ms: float) -> str:
+    """The seed table's precision: about three significant figures, whole ms from 200."""
+    if value_ms >= 200:
+        return f"{value_ms:.0f}"
+    if value_ms >= 10:
+        return f"{value_ms:.1f}"
+    if value_ms >= 0.1:
+        return f"{value_ms:.2f}"
+    return f"{value_ms:.3f}"
+
+
+def format_tokens(tokens: int) -> str:
+    """500 → "500", 8000 → "8k" (1k = 1,000 tokens, as in the seed)."""
+    if tokens >= 1000 and tokens % 1000 == 0:
+        return f"{tokens // 1000}k"
+    return str(tokens)
+
+
+def render_cost_table(
+    inst: InstanceSpec, mfu: float = 0.5, tokens: Sequence[int] = COST_TABLE_TOKENS
+) -> str:
+    """A markdown table like ARCHITECTURE.md's, with a header naming the setup."""
+    table = cost_table(inst, mfu, tokens)
+    kv_kib = inst.kv_bytes_per_token / 1024
+    per_tok_us = prefill_s(inst, 1, mfu) * 1e6
+    lines = [
+        (
+            f"{inst.gpus}×{inst.gpu.name} serving {inst.model.name}: KV {kv_kib:.0f} KiB/token, "
+            f"prefill {per_tok_us:.1f} µs/token (MFU {mfu})"
+        ),
+        (
+            f"ms to make N tokens of KV resident (HBM {inst.hbm_bw / 1e12:.1f} TB/s, "
+            f"RAM {inst.ram_bw / 1e9:.0f} GB/s, RDMA {inst.rdma_bw / 1e9:.0f} GB/s, "
+            f"disk {inst.disk_bw / 1e9:.0f} GB/s)"
+        ),
+        "",
+        "| source | " + " | ".join(format_tokens(n) for n in tokens) + " |",
+        "|---|" + "---:|" * len(tokens),
+    ]
+    for tier in COST_TABLE_TIERS:
+        lines.append(f"| {tier} | " + " | ".join(format_ms(v) for v in table[tier]) + " |")
+    return "\n".join(lines)
+
+
+@dataclass
+class SimCostModel:
+    """`CostModel` for policies: the simulator's own prefill and RDMA transfer formulas."""
+
+    instances: list[InstanceSpec]
+    mfu: float = 0.5
+    transfer_setup_s: float = 1e-3
+
+    def prefill_s(self, instance: int, tokens: int) -> float:
+        return prefill_s(self.instances[instance], tokens, self.mfu)
+
+    def transfer_s(self, tokens: int, source: int, target: int) -> float:
+        """Setup latency + bytes over the slower of the two instances' RDMA links."""
+        src, dst = self.instances[source], self.instances[target]
+        bw = min(src.rdma_bw, dst.rdma_bw)
+        return self.transfer_setup_s + tokens * dst.kv_bytes_per_token / bw
+
+    def load_s(self, instance: int, tokens: int, tier: str) -> float:
+        return load_s(self.instances[instance], tokens, tier)
+
+
+def build_cost_model(
+    hypothesis: Hypothesis,
+    *,
+    sim: SimSettings | None = None,
+    cluster: ClusterSpec | None = None,
+    model: str | ModelShape | None = None,
+) -> SimCostModel:
+    """The cost model of a hypothesis (its model, topology and sim settings); the cluster
+    backend reuses it so cost-based policies see the same numbers in both worlds."""
+    settings = sim or hypothesis.sim
+    instances = build_instances(
+        model if model is not None else hypothesis.model,
+        cluster or hypothesis.cluster,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+    )
+    return SimCostModel(instances, settings.mfu, settings.transfer_setup_ms / 1e3)
