@@ -1,0 +1,1 @@
+"""Statistics over stored records: metric definitions, request classes, the verdict engine."""

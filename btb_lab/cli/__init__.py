@@ -44,10 +44,16 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except Exception as exc:  # click's usage errors arrive here in non-standalone mode
         import click
+        from pydantic import ValidationError
 
         if isinstance(exc, click.exceptions.Abort):
             sys.exit(130)
         if isinstance(exc, click.ClickException):
             exc.show()
-            sys.exit(exc.exit_code)
+            sys.exit(exc.exit_code)  # usage errors: 2
+        if isinstance(exc, ValidationError):  # settings built from user input outside a file
+            for err in exc.errors():
+                where = ".".join(str(p) for p in err["loc"]) or "(input)"
+                typer.echo(f"error: {where}: {err['msg']}", err=True)
+            sys.exit(2)
         raise

@@ -1,10 +1,74 @@
-"""Core commands: validate, run, report, log, list."""
+"""Core commands: validate, run, report, log, list.
+
+Each command parses, calls one library function, prints. User mistakes (`UserError`)
+print one message per problem and exit 2, also under typer's CliRunner.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
 import typer
 
-__all__ = ["register"]
+from btb_lab.errors import UserError
+
+__all__ = ["log_app", "register"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+log_app = typer.Typer(help="The hypothesis log (hypotheses/LOG.md).", no_args_is_help=True)
+
+TIME_SCALE_HELP = (
+    "Multiply every inter-arrival gap of the workload by this factor: >1 calmer (requests "
+    "further apart), <1 denser (a heavier load). Overrides workload.time_scale."
+)
+
+
+def user_errors(func: F) -> F:
+    """Turn a UserError into its message on stderr and exit code 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except UserError as exc:
+            typer.echo(f"error: {exc}" if "\n" not in str(exc) else str(exc), err=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected dotted.path=value")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _explain(model: Any, prefix: str = "") -> list[str]:
+    """Every schema field with its description (validate --explain)."""
+    from pydantic import BaseModel
+
+    lines: list[str] = []
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        lines.append(f"{prefix}{key}: {info.description or ''}")
+        ann = info.annotation
+        for sub in getattr(ann, "__args__", ()) or (ann,):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                lines += _explain(sub, prefix + key + ".")
+            for inner in getattr(sub, "__args__", ()) or ():
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    lines += _explain(inner, prefix + key + ".<item>.")
+    return lines
 
 
 def register(app: typer.Typer) -> None:
@@ -16,3 +80,187 @@ def register(app: typer.Typer) -> None:
         from btb_lab import __version__
 
         typer.echo(__version__)
+
+    @app.command()
+    @user_errors
+    def validate(
+        files: list[Path] = typer.Argument(None, help="Hypothesis YAML files."),
+        explain: bool = typer.Option(False, "--explain", help="List every field and its meaning."),
+    ) -> None:
+        """Check hypothesis files; exit 2 with one FILE:LINE: field: message per problem."""
+        if explain:
+            from btb_lab.hypothesis.schema import Hypothesis
+
+            typer.echo("\n".join(_explain(Hypothesis)))
+            return
+        if not files:
+            raise UserError("give at least one hypothesis file")
+        from btb_lab.errors import ValidationFailed
+        from btb_lab.hypothesis import load_hypothesis
+
+        problems: list[str] = []
+        for path in files:
+            try:
+                loaded = load_hypothesis(path)
+            except ValidationFailed as exc:
+                problems += exc.problems
+            except UserError as exc:
+                problems.append(str(exc))
+            else:
+                typer.echo(f"{path}: ok ({loaded.hypothesis.id}, "
+                           f"{len(loaded.hypothesis.variants)} variants)")  # fmt: skip
+        if problems:
+            raise UserError("\n".join(problems))
+
+    @app.command()
+    @user_errors
+    def run(
+        file: Path = typer.Argument(..., help="Hypothesis YAML file."),
+        backend: str | None = typer.Option(None, "--backend", help="sim or cluster."),
+        out: Path | None = typer.Option(
+            None, "--out", help="Results directory (default results/<id>/<UTC time>-<short id>/)."
+        ),
+        repeats: int | None = typer.Option(None, "--repeats", help="Repeats of every variant."),
+        requests: int | None = typer.Option(None, "--requests", help="Requests per run."),
+        time_scale: float | None = typer.Option(None, "--time-scale", help=TIME_SCALE_HELP),
+        variants: str | None = typer.Option(
+            None, "--variants", help="Comma-separated variants to run (the baseline is added)."
+        ),
+        seed: int | None = typer.Option(None, "--seed", help="Master seed."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and exit."),
+        set_: list[str] = typer.Option(
+            [], "--set", help="Override any field: dotted.path=value (YAML value)."
+        ),
+        no_progress: bool = typer.Option(False, "--no-progress", help="No progress display."),
+    ) -> None:
+        """Run every variant × repeat, store the results, print the summary and verdict."""
+        from btb_lab.runner import RunInterrupted, RunOptions, run_hypothesis
+
+        options = RunOptions(
+            backend=backend, out=out, repeats=repeats, requests=requests,
+            time_scale=time_scale, seed=seed, dry_run=dry_run,
+            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
+            progress=not no_progress, overrides=_parse_set(set_),
+        )  # fmt: skip
+        try:
+            outcome = run_hypothesis(file, options)
+        except RunInterrupted as exc:
+            typer.echo(f"interrupted: finished records kept in {exc.run_dir} "
+                       f"(report: {exc.run_dir / 'report.md'})", err=True)  # fmt: skip
+            raise typer.Exit(130) from None
+        if dry_run:
+            assert outcome.plan is not None
+            typer.echo("\n".join(outcome.plan.describe()))
+            return
+        _print_summary(outcome.summary)
+        typer.echo(f"report: {outcome.run_dir / 'report.md'}")
+
+    @app.command()
+    @user_errors
+    def report(
+        target: str | None = typer.Argument(
+            None, help="Run directory or hypothesis id (its latest run)."
+        ),
+        all_: bool = typer.Option(False, "--all", help="Re-render every stored run."),
+        results: Path = typer.Option(Path("results"), "--results", help="Results root."),
+    ) -> None:
+        """Re-render summary.json, report.md and plots from stored results (no backend)."""
+        from btb_lab.report.render import build_report
+        from btb_lab.results import resolve_run_dir
+
+        if all_:
+            runs = sorted(p.parent for p in results.glob("*/*/manifest.json"))
+            if not runs:
+                raise UserError(f"no runs under {results}/")
+        elif target is None:
+            raise UserError("give a run directory or hypothesis id, or --all")
+        else:
+            runs = [resolve_run_dir(target, results)]
+        for run_dir in runs:
+            run = build_report(run_dir)
+            typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
+
+    @log_app.command("append")
+    @user_errors
+    def log_append(
+        run_dir: str = typer.Argument(..., help="Run directory or hypothesis id."),
+        log: Path = typer.Option(Path("hypotheses/LOG.md"), "--log", help="Log file."),
+        results: Path = typer.Option(Path("results"), "--results", help="Results root."),
+    ) -> None:
+        """Append (or update) the run's verdict entry in the log."""
+        from btb_lab.report.log import append_entry
+        from btb_lab.results import resolve_run_dir
+
+        path = resolve_run_dir(run_dir, results)
+        append_entry(path, log)
+        typer.echo(f"{log}: entry for {path}")
+
+    @log_app.command("show")
+    @user_errors
+    def log_show(
+        log: Path = typer.Option(Path("hypotheses/LOG.md"), "--log", help="Log file."),
+    ) -> None:
+        """List the log's entries and verdicts as a table."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from btb_lab.report.log import parse_log
+
+        if not log.is_file():
+            raise UserError(f"{log}: no such log file")
+        table = Table("id", "title", "verdict", "run")
+        for entry in parse_log(log.read_text(encoding="utf-8")):
+            table.add_row(entry.hypothesis, entry.title, entry.verdict or "-",
+                          entry.run or "(hand-written)")  # fmt: skip
+        Console(width=160).print(table)
+
+    app.add_typer(log_app, name="log")
+
+    @app.command("list")
+    @user_errors
+    def list_(
+        hypotheses: Path = typer.Option(Path("hypotheses"), "--hypotheses", help="Folder."),
+        results: Path = typer.Option(Path("results"), "--results", help="Results root."),
+        policies: bool = typer.Option(False, "--policies", help="List routing policies."),
+    ) -> None:
+        """List hypotheses with their latest verdict (or the registered policies)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        if policies:
+            from btb_lab.policies import POLICIES
+
+            table = Table("policy", "parameters")
+            for name in POLICIES:
+                params = POLICIES.get(name).Params.model_fields
+                table.add_row(name, ", ".join(params) or "-")
+            Console(width=160).print(table)
+            return
+        from btb_lab.report.listing import list_hypotheses
+
+        table = Table("id", "title", "file", "latest verdict", "run")
+        for row in list_hypotheses(hypotheses, results):
+            table.add_row(row.id, row.title, str(row.path), row.verdict or "-", row.run or "-")
+        Console(width=160).print(table)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(x: float | None, digits: int = 3) -> str:
+        return "n/a" if x is None else f"{x:.{digits}f}"
+
+    table = Table("variant", "OK/N", "TTFT50", "TTFT90", "TPOT90", "E2E50", "GPU imb.")
+    for name, v in summary["variants"].items():
+        m = v["all"]
+        imb = v["gpu"]["imbalance"]
+        table.add_row(
+            name + (" (baseline)" if name == summary["baseline"] else ""),
+            f"{m['ok']}/{m['n']}", fmt(m["ttft_p50"]), fmt(m["ttft_p90"]),
+            fmt(m["tpot_p90"], 4), fmt(m["e2e_p50"]), "n/a" if imb is None else f"{imb:.2f}x",
+        )  # fmt: skip
+    console = Console(width=120)
+    console.print(table)
+    verdict = summary["verdict"]
+    console.print(f"[bold]Verdict: {verdict['word']}[/bold]. {verdict['reason']}.")

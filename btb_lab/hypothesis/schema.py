@@ -26,6 +26,7 @@ __all__ = [
     "KVConnector",
     "ModelShape",
     "RouterSpec",
+    "SeedVerdict",
     "Variant",
     "VerdictRule",
 ]
@@ -146,6 +147,17 @@ class VerdictRule(StrictModel):
     )
 
 
+class SeedVerdict(StrictModel):
+    """A verdict the claim already received elsewhere (e.g. on a real cluster), printed
+    next to the tool's verdict in the log so the two can be compared."""
+
+    verdict: Literal["VALIDATED", "PARTIALLY VALIDATED", "REJECTED", "INCONCLUSIVE"] = Field(
+        description="The earlier verdict."
+    )
+    source: str = Field(description="Where it comes from (document, experiment).")
+    summary: str | None = Field(None, description="One line on what that experiment found.")
+
+
 class Hypothesis(StrictModel):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Short id, e.g. H4.")
     title: str = Field(description="One-line title.")
@@ -154,6 +166,9 @@ class Hypothesis(StrictModel):
     date: dt.date | None = Field(None, description="When the hypothesis was written.")
     tags: list[str] = Field(default_factory=list, description="Free-form tags.")
     notes: str | None = Field(None, description="Anything else worth keeping with the claim.")
+    seed_verdict: SeedVerdict | None = Field(
+        None, description="Verdict from an earlier experiment, shown beside the tool's."
+    )
     backend: Literal["sim", "cluster"] = Field("sim", description="Where to run.")
     model: str | ModelShape = Field(
         "llama-3.3-70b", description="Model preset name or explicit shape."

@@ -1,0 +1,1 @@
+"""Reports of stored runs: jinja2 rendering (`render`), plots (`plots`), the log (`log`)."""

@@ -1,0 +1,429 @@
+"""The verdict engine: each variant against the baseline on the primary metric.
+
+Relative change with a bootstrap confidence interval (resampling requests, and repeats
+as well when there are two or more). VALIDATED: the interval lies beyond the minimum
+effect in the claimed direction and every guard holds. REJECTED: the interval includes
+no change, stays short of the minimum effect, or points the other way. PARTIALLY
+VALIDATED: the claim holds but a guard fails, or it holds for some declared classes and
+reverses for others. INCONCLUSIVE: too few successful requests or failed runs.
+The generator is seeded from the hypothesis seed, so a report is reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from btb_lab.analysis.metrics import (
+    GPU_METRIC_NAMES,
+    HIGHER_IS_BETTER,
+    gpu_stats_from_means,
+    latency_stat,
+    metric_label,
+)
+from btb_lab.hypothesis.schema import Guard, VerdictRule
+
+__all__ = [
+    "VALIDATED",
+    "GuardResult",
+    "VariantVerdict",
+    "Verdict",
+    "bootstrap_change",
+    "evaluate_verdict",
+    "metric_units",
+    "point_value",
+]
+
+VALIDATED = "VALIDATED"
+PARTIAL = "PARTIALLY VALIDATED"
+REJECTED = "REJECTED"
+INCONCLUSIVE = "INCONCLUSIVE"
+_RANK = {VALIDATED: 3, PARTIAL: 2, REJECTED: 1, INCONCLUSIVE: 0}
+
+Stat = Callable[[np.ndarray], float]
+
+
+@dataclass
+class GuardResult:
+    metric: str
+    klass: str | None
+    baseline: float | None
+    value: float | None
+    worse_by: float | None  # absolute for ok_rate, relative otherwise; positive = worse
+    max_worse: float
+    holds: bool
+
+
+@dataclass
+class Comparison:
+    """One metric, one variant against the baseline."""
+
+    scope: str  # "all" or a class name
+    baseline: float | None
+    value: float | None
+    change: float | None  # relative
+    ci_low: float | None
+    ci_high: float | None
+    outcome: str  # holds | reversed | noise | small | undefined
+    ok_baseline: int = 0
+    ok_variant: int = 0
+
+
+@dataclass
+class VariantVerdict:
+    variant: str
+    word: str
+    reason: str
+    primary: Comparison | None = None
+    guards: list[GuardResult] = field(default_factory=list)
+    per_class: list[Comparison] = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    word: str
+    reason: str
+    variants: dict[str, VariantVerdict] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "word": self.word,
+            "reason": self.reason,
+            "variants": {k: _clean_dict(asdict(v)) for k, v in self.variants.items()},
+        }
+
+
+def _clean_dict(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _clean_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean_dict(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+# ---------------------------------------------------------------------------- metric units
+
+
+def _stat_for(metric: str) -> Stat:
+    if metric == "ok_rate":
+        return lambda rows: float(rows[:, 0].mean()) if len(rows) else math.nan
+    if metric == "cache_hit_rate":
+
+        def hit_rate(rows: np.ndarray) -> float:
+            total = rows[:, 1].sum()
+            return float(rows[:, 0].sum() / total) if total > 0 else math.nan
+
+        return hit_rate
+    if metric in GPU_METRIC_NAMES:
+        key = metric.split("_", 1)[1]
+
+        def gpu(rows: np.ndarray) -> float:
+            if len(rows) == 0:
+                return math.nan
+            value = gpu_stats_from_means(np.nanmean(rows, axis=0))[key]
+            return math.nan if value is None else float(value)
+
+        return gpu
+    _, stat = metric.split("_", 1)
+    return lambda rows: latency_stat(rows[:, 0], stat)
+
+
+def metric_units(
+    records: pd.DataFrame,
+    util: pd.DataFrame,
+    variant: str,
+    metric: str,
+    klass: str | None = None,
+) -> list[np.ndarray]:
+    """The resampling units of one metric for one variant, one 2-D array per repeat:
+    successful requests' latencies, every request's ok flag, (cached, input) token pairs,
+    or for GPU metrics the utilization time samples (time × instance)."""
+    if metric in GPU_METRIC_NAMES:
+        rows = util[util["variant"] == variant] if not util.empty else util
+        units = []
+        for _, rep in rows.groupby("repeat", sort=True):
+            unit = rep["instance"].astype(str) + "/" + rep["device"].astype(str)
+            matrix = rep.assign(unit=unit).pivot_table(
+                index="time_s", columns="unit", values="utilization", aggfunc="mean"
+            )
+            units.append(matrix.to_numpy(dtype=float))
+        return units
+    rows = records[records["variant"] == variant]
+    if klass is not None:
+        rows = rows[rows["class"] == klass]
+    units = []
+    for _, rep in rows.groupby("repeat", sort=True):
+        if metric == "ok_rate":
+            arr = rep[["ok"]].to_numpy(dtype=float)
+        elif metric == "cache_hit_rate":
+            arr = rep[["cached_tokens", "input_tokens"]].to_numpy(dtype=float)
+        else:
+            lat = metric.split("_", 1)[0]
+            good = rep[rep["ok"].astype(bool)]
+            arr = good[[f"{lat}_s"]].to_numpy(dtype=float)
+            arr = arr[~np.isnan(arr[:, 0])]
+        units.append(arr)
+    return units
+
+
+def point_value(units: Sequence[np.ndarray], metric: str) -> float:
+    """The metric over all repeats pooled."""
+    if not units:
+        return math.nan
+    return _stat_for(metric)(np.concatenate(units))
+
+
+def _resample(units: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    if len(units) >= 2:
+        chosen = [units[i] for i in rng.integers(0, len(units), len(units))]
+    else:
+        chosen = list(units)
+    parts = [u[rng.integers(0, len(u), len(u))] for u in chosen if len(u)]
+    if not parts:
+        return np.empty((0, units[0].shape[1] if units else 1))
+    return np.concatenate(parts)
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def bootstrap_change(
+    base_units: Sequence[np.ndarray],
+    var_units: Sequence[np.ndarray],
+    metric: str,
+    *,
+    samples: int,
+    confidence: float,
+    seed: int,
+) -> tuple[float, float, float]:
+    """Relative change (variant − baseline) / baseline and its percentile bootstrap
+    interval. NaN where the baseline value is zero or undefined."""
+    stat = _stat_for(metric)
+    base = point_value(base_units, metric)
+    value = point_value(var_units, metric)
+    change = (value - base) / base if base and math.isfinite(base) else math.nan
+    rng = np.random.default_rng(seed)
+    draws = np.empty(samples)
+    for i in range(samples):
+        b = stat(_resample(base_units, rng))
+        v = stat(_resample(var_units, rng))
+        draws[i] = (v - b) / b if b and math.isfinite(b) else math.nan
+    draws = draws[np.isfinite(draws)]
+    if draws.size < samples * 0.9:
+        return change, math.nan, math.nan
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return change, float(low), float(high)
+
+
+# ---------------------------------------------------------------------------- decisions
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x * 100:+.1f}%"
+
+
+def _fmt_change(metric: str, cmp: Comparison) -> str:
+    label = metric_label(metric)
+    if cmp.scope != "all":
+        label = f"{cmp.scope} {label}"
+    return f"{label} {_pct(cmp.change)} [{_pct(cmp.ci_low)}, {_pct(cmp.ci_high)}]"
+
+
+def _outcome(rule: VerdictRule, metric: str, low: float, high: float) -> str:
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "undefined"
+    sign = -1.0 if rule.direction == "decrease" else 1.0
+    lo, hi = sorted((sign * low, sign * high))
+    if lo > rule.min_effect:
+        return "holds"
+    if hi < 0:
+        return "reversed"
+    if lo <= 0:
+        return "noise"
+    return "small"
+
+
+def _compare(
+    records: pd.DataFrame,
+    util: pd.DataFrame,
+    rule: VerdictRule,
+    baseline: str,
+    variant: str,
+    metric: str,
+    klass: str | None,
+    seed: int,
+) -> Comparison:
+    base_units = metric_units(records, util, baseline, metric, klass)
+    var_units = metric_units(records, util, variant, metric, klass)
+    change, low, high = bootstrap_change(
+        base_units, var_units, metric, samples=rule.bootstrap_samples,
+        confidence=rule.confidence, seed=_seed(seed, variant, metric, klass or ""),
+    )  # fmt: skip
+    base = point_value(base_units, metric)
+    value = point_value(var_units, metric)
+
+    def ok_count(v: str) -> int:
+        rows = records[records["variant"] == v]
+        if klass is not None:
+            rows = rows[rows["class"] == klass]
+        return int(rows["ok"].astype(bool).sum())
+
+    return Comparison(
+        scope=klass or "all",
+        baseline=base if math.isfinite(base) else None,
+        value=value if math.isfinite(value) else None,
+        change=change if math.isfinite(change) else None,
+        ci_low=low if math.isfinite(low) else None,
+        ci_high=high if math.isfinite(high) else None,
+        outcome=_outcome(rule, metric, low, high),
+        ok_baseline=ok_count(baseline),
+        ok_variant=ok_count(variant),
+    )
+
+
+def _guard(
+    records: pd.DataFrame, util: pd.DataFrame, guard: Guard, baseline: str, variant: str
+) -> GuardResult:
+    base = point_value(
+        metric_units(records, util, baseline, guard.metric, guard.klass), guard.metric
+    )
+    value = point_value(
+        metric_units(records, util, variant, guard.metric, guard.klass), guard.metric
+    )
+    worse: float | None
+    if not (math.isfinite(base) and math.isfinite(value)):
+        worse = None
+    elif guard.metric == "ok_rate":
+        worse = base - value
+    elif base == 0:
+        worse = 0.0 if value == 0 else math.inf
+    else:
+        rel = (value - base) / abs(base)
+        worse = -rel if guard.metric in HIGHER_IS_BETTER else rel
+    holds = worse is not None and worse <= guard.max_worse + 1e-12
+    return GuardResult(
+        metric=guard.metric, klass=guard.klass,
+        baseline=base if math.isfinite(base) else None,
+        value=value if math.isfinite(value) else None,
+        worse_by=worse, max_worse=guard.max_worse, holds=holds,
+    )  # fmt: skip
+
+
+def _guard_text(g: GuardResult) -> str:
+    label = metric_label(g.metric) + (f" ({g.klass})" if g.klass else "")
+    if g.worse_by is None:
+        return f"{label} undefined"
+    if g.metric == "ok_rate":
+        return f"{label} worse by {g.worse_by * 100:.1f} pt (limit {g.max_worse * 100:.1f} pt)"
+    return f"{label} worse by {g.worse_by * 100:.1f}% (limit {g.max_worse * 100:.1f}%)"
+
+
+def _variant_verdict(
+    records: pd.DataFrame,
+    util: pd.DataFrame,
+    rule: VerdictRule,
+    baseline: str,
+    variant: str,
+    seed: int,
+    failed: set[str],
+) -> VariantVerdict:
+    tag = f"({variant} vs {baseline})"
+    broken = sorted({baseline, variant} & failed)
+    if broken:
+        return VariantVerdict(variant, INCONCLUSIVE, f"{', '.join(broken)}: failed or missing runs")
+    primary = _compare(records, util, rule, baseline, variant, rule.metric, rule.klass, seed)
+    scope = f" {rule.klass}" if rule.klass else ""
+    if min(primary.ok_baseline, primary.ok_variant) < rule.min_ok_requests:
+        return VariantVerdict(
+            variant, INCONCLUSIVE,
+            f"too few successful{scope} requests: {primary.ok_variant} for {variant}, "
+            f"{primary.ok_baseline} for {baseline} (need {rule.min_ok_requests})",
+            primary,
+        )  # fmt: skip
+    text = f"{_fmt_change(rule.metric, primary)} {tag}"
+    effect = f"{rule.min_effect * 100:g}%"
+    if primary.outcome == "undefined":
+        return VariantVerdict(variant, INCONCLUSIVE, f"{text}: the metric is undefined", primary)
+    guards = [_guard(records, util, g, baseline, variant) for g in rule.guards]
+    per_class = [
+        _compare(records, util, rule, baseline, variant, rule.metric, c, seed)
+        for c in rule.per_class
+    ]
+    held = [c.scope for c in per_class if c.outcome == "holds"]
+    reversed_ = [c.scope for c in per_class if c.outcome == "reversed"]
+    failed_guards = [g for g in guards if not g.holds]
+    verdict = VariantVerdict(variant, REJECTED, "", primary, guards, per_class)
+    if primary.outcome == "holds":
+        if failed_guards:
+            verdict.word = PARTIAL
+            verdict.reason = (
+                f"{text}, beyond the {effect} minimum effect, but guard failed: "
+                + "; ".join(_guard_text(g) for g in failed_guards)
+            )
+        elif reversed_:
+            verdict.word = PARTIAL
+            rev = "; ".join(_fmt_change(rule.metric, c) for c in per_class if c.scope in reversed_)
+            verdict.reason = f"{text}, beyond the {effect} minimum effect, but reverses for {rev}"
+        else:
+            verdict.word = VALIDATED
+            verdict.reason = f"{text}, beyond the {effect} minimum effect" + (
+                "; guards hold" if guards else ""
+            )
+        return verdict
+    if held and reversed_:
+        verdict.word = PARTIAL
+        parts = "; ".join(
+            _fmt_change(rule.metric, c) for c in per_class if c.scope in held + reversed_
+        )
+        verdict.reason = (
+            f"{text}; holds for {', '.join(held)} but reverses for {', '.join(reversed_)}: {parts}"
+        )
+        return verdict
+    verdict.reason = {
+        "reversed": f"{text}, the opposite of the claimed {rule.direction}",
+        "noise": f"{text}, within noise",
+        "small": f"{text}, smaller than the {effect} minimum effect",
+    }[primary.outcome]
+    return verdict
+
+
+def evaluate_verdict(
+    records: pd.DataFrame,
+    util: pd.DataFrame,
+    rule: VerdictRule,
+    *,
+    baseline: str,
+    variants: Sequence[str],
+    seed: int,
+    failed: Sequence[str] = (),
+    incomplete: bool = False,
+) -> Verdict:
+    """Compare every non-baseline variant with the baseline; the strongest result among
+    them is the hypothesis's verdict (INCONCLUSIVE when the run is incomplete)."""
+    others = [v for v in variants if v != baseline]
+    failed_set = set(failed)
+    results = {
+        v: _variant_verdict(records, util, rule, baseline, v, seed, failed_set) for v in others
+    }
+    if not others:
+        return Verdict(INCONCLUSIVE, f"no variant to compare with the baseline {baseline!r}")
+    if incomplete:
+        done = sorted(set(records["variant"].unique()) if len(records) else set())
+        return Verdict(
+            INCONCLUSIVE,
+            "run incomplete (interrupted); variants with records: " + (", ".join(done) or "none"),
+            results,
+        )
+    best = max(results.values(), key=lambda r: (_RANK[r.word], -others.index(r.variant)))
+    return Verdict(best.word, best.reason, results)

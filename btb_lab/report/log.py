@@ -1,0 +1,100 @@
+"""The hypothesis log (`hypotheses/LOG.md`): append verdict entries, list what it holds.
+
+Tool entries sit between HTML comment markers, one pair per run, so appending the same
+run again replaces its entry and text a researcher wrote outside the markers is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from btb_lab.analysis.summary import analyze_run
+from btb_lab.report.render import entry_context, render_template
+
+__all__ = ["LogEntry", "append_entry", "parse_log", "render_entry"]
+
+_HEADER = (
+    "# Hypothesis log\n\nVerdicts appended by `btb-lab log append`; text outside the tool's "
+    "markers is kept.\n"
+)
+_START = "<!-- btb-lab:entry {id} run={run} -->"
+_END = "<!-- btb-lab:end {id} run={run} -->"
+_HEADING = re.compile(r"^##\s+([^\s:]+):\s*(.*?)\s*$")
+_VERDICT = re.compile(r"\*\*Verdict\*\*:\s*\*\*([A-Z ]+?)\*\*")
+_MARK = re.compile(r"^<!-- btb-lab:(entry|end) (\S+) run=(\S+) -->$")
+
+
+@dataclass
+class LogEntry:
+    """One `## ID: title` section of the log."""
+
+    hypothesis: str
+    title: str
+    verdict: str | None
+    run: str | None  # set for entries the tool wrote
+
+
+def _report_path(run_dir: Path, log_path: Path) -> str:
+    try:
+        rel = os.path.relpath(run_dir.resolve() / "report.md", log_path.resolve().parent)
+    except ValueError:  # different drives
+        rel = str(run_dir.resolve() / "report.md")
+    return Path(rel).as_posix()
+
+
+def render_entry(run_dir: Path, log_path: Path) -> tuple[str, str, str]:
+    """(hypothesis id, run id, entry text with its markers) for one stored run."""
+    run = analyze_run(run_dir)
+    context = entry_context(run)
+    context["report_path"] = _report_path(run_dir, log_path)
+    body = render_template("log_entry.md.j2", context).rstrip("\n")
+    hid, run_id = context["id"], context["run_id"]
+    text = f"{_START.format(id=hid, run=run_id)}\n{body}\n{_END.format(id=hid, run=run_id)}\n"
+    return hid, run_id, text
+
+
+def append_entry(run_dir: Path, log_path: Path) -> None:
+    """Add the run's entry to the log, or replace it if this run is already there."""
+    hid, run_id, entry = render_entry(run_dir, log_path)
+    text = log_path.read_text(encoding="utf-8") if log_path.exists() else _HEADER
+    start = _START.format(id=hid, run=run_id)
+    end = _END.format(id=hid, run=run_id)
+    i = text.find(start)
+    j = text.find(end, i) if i >= 0 else -1
+    if i >= 0 and j >= 0:
+        j += len(end)
+        if text[j : j + 1] == "\n":
+            j += 1
+        text = text[:i] + entry + text[j:]
+    else:
+        if not text.endswith("\n"):
+            text += "\n"
+        if not text.endswith("\n\n"):
+            text += "\n"
+        text += entry
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = log_path.with_suffix(log_path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, log_path)
+
+
+def parse_log(text: str) -> list[LogEntry]:
+    """Every `## ID: title` section, hand-written or the tool's, with its verdict word."""
+    entries: list[LogEntry] = []
+    run: str | None = None
+    for line in text.splitlines():
+        mark = _MARK.match(line.strip())
+        if mark:
+            run = mark.group(3) if mark.group(1) == "entry" else None
+            continue
+        heading = _HEADING.match(line)
+        if heading:
+            entries.append(LogEntry(heading.group(1), heading.group(2), None, run))
+            continue
+        verdict = _VERDICT.search(line)
+        if verdict and entries and entries[-1].verdict is None:
+            entries[-1].verdict = verdict.group(1).strip()
+    return entries

@@ -1,0 +1,230 @@
+"""The results directory: layout, manifest, the durable record sink, parquet conversion.
+
+Backends stream finished records into JSONL parts (flushed on every write, so Ctrl-C or
+a crash loses nothing finished); the runner converts the parts to `requests.parquet`
+and `utilization.parquet` at the end, and readers fall back to the parts when a run
+never got that far.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+import pandas as pd
+
+from btb_lab.errors import UserError
+from btb_lab.records import RECORD_COLUMNS, UTIL_COLUMNS, RequestRecord, UtilSample
+
+__all__ = [
+    "JsonlRecordSink",
+    "finalize_parquet",
+    "new_run_dir",
+    "read_manifest",
+    "read_records",
+    "read_utilization",
+    "record_row",
+    "resolve_run_dir",
+    "write_json",
+    "write_manifest",
+    "write_utilization_part",
+]
+
+MANIFEST = "manifest.json"
+PARTS_DIR = "parts"
+_FLOAT_COLUMNS = (
+    "arrival_s", "sent_s", "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s",
+    "queue_s", "kv_load_s", "kv_transfer_s", "prefill_s", "decode_s",
+)  # fmt: skip
+_INT_COLUMNS = ("repeat", "input_tokens", "output_tokens", "cached_tokens", "turn")
+
+
+def new_run_dir(results_root: Path, hypothesis_id: str, *, out: Path | None = None) -> Path:
+    """Create `results/<id>/<UTC time>-<short id>/` (or `out`, which must be empty)."""
+    if out is not None:
+        if out.exists() and any(out.iterdir()):
+            raise UserError(f"--out {out} exists and is not empty")
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    while True:
+        run_dir = results_root / hypothesis_id / f"{stamp}-{secrets.token_hex(3)}"
+        try:
+            run_dir.mkdir(parents=True)
+            return run_dir
+        except FileExistsError:
+            continue
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (temp file + rename), so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+    write_json(run_dir / MANIFEST, manifest)
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{run_dir}: not a run directory (no {MANIFEST})") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: unreadable manifest: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: manifest is not a JSON object")
+    return data
+
+
+def resolve_run_dir(target: str | Path, results_root: Path = Path("results")) -> Path:
+    """A run directory, or the latest run of a hypothesis id under `results_root`."""
+    path = Path(target)
+    if (path / MANIFEST).is_file():
+        return path
+    runs = sorted(p.parent for p in (results_root / str(target)).glob(f"*/{MANIFEST}"))
+    if runs:
+        return runs[-1]
+    raise UserError(f"{target}: neither a run directory nor a hypothesis id with runs under "
+                    f"{results_root}/")  # fmt: skip
+
+
+def _part_name(variant: str, repeat: int, kind: str) -> str:
+    digest = hashlib.blake2b(variant.encode(), digest_size=4).hexdigest()
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in variant)[:40]
+    return f"{kind}-{safe}-{digest}-r{repeat:03d}.jsonl"
+
+
+def record_row(rec: RequestRecord) -> dict[str, Any]:
+    """One RequestRecord as a row with the RECORD_COLUMNS names (+ `extra` as JSON)."""
+    row: dict[str, Any] = {}
+    for column in RECORD_COLUMNS:
+        row[column] = rec.klass if column == "class" else getattr(rec, column)
+    row["extra"] = json.dumps(rec.extra, sort_keys=True) if rec.extra else None
+    return row
+
+
+class JsonlRecordSink:
+    """RecordSink writing one JSONL part per variant × repeat; each `write` is flushed
+    to the OS before returning (batch records in the caller for speed)."""
+
+    def __init__(self, run_dir: Path, variant: str, repeat: int) -> None:
+        parts = run_dir / PARTS_DIR
+        parts.mkdir(parents=True, exist_ok=True)
+        self.path = parts / _part_name(variant, repeat, "requests")
+        self.count = 0
+        self._fh: TextIO | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, records: Iterable[RequestRecord]) -> None:
+        if self._fh is None:
+            raise RuntimeError("write to a closed record sink")
+        lines = [json.dumps(record_row(r), allow_nan=True) + "\n" for r in records]
+        if not lines:
+            return
+        self._fh.write("".join(lines))
+        self._fh.flush()
+        self.count += len(lines)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            self._fh = None
+
+
+def write_utilization_part(
+    run_dir: Path, variant: str, repeat: int, samples: Iterable[UtilSample]
+) -> None:
+    parts = run_dir / PARTS_DIR
+    parts.mkdir(parents=True, exist_ok=True)
+    path = parts / _part_name(variant, repeat, "util")
+    with path.open("w", encoding="utf-8") as fh:
+        for s in samples:
+            row = {
+                "variant": variant, "repeat": repeat, "time_s": s.time_s, "instance": s.instance,
+                "device": s.device, "utilization": s.utilization,
+                "memory_bytes": s.memory_bytes, "source": s.source,
+            }  # fmt: skip
+            fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for part in sorted((run_dir / PARTS_DIR).glob(f"{kind}-*.jsonl")):
+        with part.open(encoding="utf-8") as fh:
+            for line in fh:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a line cut short by a crash: everything before it is intact
+    return rows
+
+
+def _typed_records(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+    frame = pd.DataFrame(rows, columns=[*RECORD_COLUMNS, "extra"])
+    for column in _FLOAT_COLUMNS:
+        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
+    for column in _INT_COLUMNS:
+        frame[column] = pd.to_numeric(frame[column], errors="coerce").fillna(0).astype("int64")
+    frame["ok"] = frame["ok"].fillna(False).astype(bool)
+    for column in ("variant", "request_id", "trace_id", "source", "instance", "route"):
+        frame[column] = frame[column].astype(str)
+    if order:
+        rank = {v: i for i, v in enumerate(order)}
+        frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
+        frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
+    return frame.reset_index(drop=True)
+
+
+def _typed_util(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+    frame = pd.DataFrame(rows, columns=list(UTIL_COLUMNS))
+    for column in ("time_s", "utilization", "memory_bytes"):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
+    frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
+    for column in ("variant", "instance", "device", "source"):
+        frame[column] = frame[column].astype(str)
+    if order:
+        rank = {v: i for i, v in enumerate(order)}
+        frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
+        frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
+    return frame.reset_index(drop=True)
+
+
+def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> None:
+    """Convert the JSONL parts into `requests.parquet` and `utilization.parquet`."""
+    _typed_records(_read_parts(run_dir, "requests"), variant_order).to_parquet(
+        run_dir / "requests.parquet", index=False
+    )
+    _typed_util(_read_parts(run_dir, "util"), variant_order).to_parquet(
+        run_dir / "utilization.parquet", index=False
+    )
+
+
+def read_records(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
+    """All records of a run: the parquet file, or the JSONL parts of an unfinished run."""
+    path = run_dir / "requests.parquet"
+    if path.is_file():
+        return pd.read_parquet(path)
+    return _typed_records(_read_parts(run_dir, "requests"), variant_order)
+
+
+def read_utilization(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
+    path = run_dir / "utilization.parquet"
+    if path.is_file():
+        return pd.read_parquet(path)
+    return _typed_util(_read_parts(run_dir, "util"), variant_order)

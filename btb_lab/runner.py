@@ -1,0 +1,388 @@
+"""Run a hypothesis: plan variants × repeats, replay the workload through a backend,
+store records as they finish, then analyze, judge and render the report.
+
+Seeds: repeat r's workload seed derives from (master seed, r); each variant × repeat's
+backend seed also mixes in a blake2b digest of the variant name. All variants of one
+repeat replay the same requests, and the same file + seed + backend give the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import importlib
+import importlib.metadata
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from btb_lab import __version__
+from btb_lab.backends import BACKENDS, Backend, RunContext
+from btb_lab.errors import UserError
+from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis, resolve_variant
+from btb_lab.hypothesis.schema import Hypothesis
+from btb_lab.records import Request
+from btb_lab.results import (
+    JsonlRecordSink,
+    finalize_parquet,
+    new_run_dir,
+    write_manifest,
+    write_utilization_part,
+)
+
+__all__ = [
+    "RunInterrupted",
+    "RunOptions",
+    "RunOutcome",
+    "RunPlan",
+    "derive_seed",
+    "get_backend",
+    "plan_run",
+    "run_hypothesis",
+]
+
+_KEY_PACKAGES = ("numpy", "pandas", "pyarrow", "pydantic", "matplotlib", "vllm", "mooncake")
+
+
+@dataclass
+class RunOptions:
+    """Command-line choices that override the hypothesis file for one run."""
+
+    backend: str | None = None
+    out: Path | None = None
+    repeats: int | None = None
+    requests: int | None = None
+    time_scale: float | None = None
+    variants: list[str] | None = None
+    seed: int | None = None
+    dry_run: bool = False
+    progress: bool = True
+    overrides: dict[str, Any] = field(default_factory=dict)
+    results_root: Path = Path("results")
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    verdict: Any  # btb_lab.analysis.verdict.Verdict (None for a dry run)
+    summary: dict[str, Any]
+    plan: RunPlan | None = None
+
+
+@dataclass
+class RunPlan:
+    """What a run will do (printed by --dry-run)."""
+
+    hypothesis: Hypothesis
+    loaded: LoadedHypothesis
+    backend: str
+    variants: list[str]
+    repeats: int
+    seed: int
+    requests_per_run: int | None
+    instances: list[str]
+
+    def describe(self) -> list[str]:
+        h = self.hypothesis
+        lines = [
+            f"hypothesis {h.id}: {h.title}",
+            f"backend: {self.backend}",
+            f"instances: {', '.join(self.instances)}",
+            (
+                f"workload: {self.requests_per_run if self.requests_per_run is not None else '?'} "
+                f"requests per run, time_scale {h.workload.time_scale:g}"
+            ),
+            f"repeats: {self.repeats}, master seed {self.seed}",
+            f"variants ({len(self.variants)}; baseline {h.baseline}):",
+        ]
+        for name in self.variants:
+            v = h.variants[name]
+            lines.append(f"  {name}: {v.router.policy} {v.router.params or ''}".rstrip())
+        lines.append(f"runs: {len(self.variants) * self.repeats} (variants × repeats)")
+        return lines
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: finished records are stored and the report rendered."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(str(run_dir))
+        self.run_dir = run_dir
+
+
+def derive_seed(master: int, *parts: object) -> int:
+    """A 63-bit seed from the master seed and labels (blake2b; stable across processes)."""
+    text = "\x1f".join(str(p) for p in (master, *parts))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def get_backend(name: str) -> Backend:
+    """Import `btb_lab.<name>.backend` (which registers it) and build the backend."""
+    if name not in BACKENDS:
+        try:
+            importlib.import_module(f"btb_lab.{name}.backend")
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("btb_lab"):
+                raise UserError(f"backend {name!r} is not available in this installation") \
+                    from None  # fmt: skip
+            raise
+    return BACKENDS.get(name)()
+
+
+def _overrides(options: RunOptions) -> dict[str, Any]:
+    merged = dict(options.overrides)
+    if options.repeats is not None:
+        merged["repeats"] = options.repeats
+    if options.requests is not None:
+        merged["workload.requests"] = options.requests
+    if options.time_scale is not None:
+        merged["workload.time_scale"] = options.time_scale
+    if options.seed is not None:
+        merged["seed"] = options.seed
+    if options.backend is not None:
+        merged["backend"] = options.backend
+    return merged
+
+
+def plan_run(path: Path, options: RunOptions) -> RunPlan:
+    """Load the hypothesis with the options applied and decide what will run."""
+    for flag, value in (("--repeats", options.repeats), ("--requests", options.requests)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1 (got {value})")
+    if options.time_scale is not None and options.time_scale <= 0:
+        raise UserError(f"--time-scale must be positive (got {options.time_scale})")
+    loaded = load_hypothesis(path, _overrides(options))
+    hyp = loaded.hypothesis
+    variants = list(hyp.variants)
+    if options.variants:
+        unknown = [v for v in options.variants if v not in hyp.variants]
+        if unknown:
+            raise UserError(f"--variants: unknown {', '.join(unknown)}; choose from: "
+                            + ", ".join(hyp.variants))  # fmt: skip
+        chosen = set(options.variants) | {hyp.baseline}
+        variants = [v for v in hyp.variants if v in chosen]
+    instances = [f"{g.count}×{g.role} ({g.gpus}×{g.gpu})" for g in hyp.cluster.instances]
+    return RunPlan(
+        hypothesis=hyp, loaded=loaded, backend=hyp.backend, variants=variants,
+        repeats=hyp.repeats, seed=hyp.seed, requests_per_run=hyp.workload.requests,
+        instances=instances,
+    )  # fmt: skip
+
+
+def _load_requests(loaded: LoadedHypothesis, seed: int) -> list[Request]:
+    try:
+        workload = importlib.import_module("btb_lab.workload")
+        load = workload.load_requests
+    except (ModuleNotFoundError, AttributeError):
+        raise UserError("workload loading is not available in this installation") from None
+    requests: list[Request] = load(loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed)
+    return requests
+
+
+def _versions() -> dict[str, str]:
+    out = {"btb-lab": __version__, "python": platform.python_version()}
+    for pkg in _KEY_PACKAGES:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _git_commit(folder: Path) -> dict[str, Any] | None:
+    """Commit (and dirtiness) of the repository holding the hypothesis file, if any."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(dirty)}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+class _Progress:
+    """Rich progress (variant, repeat, requests done, ETA), or nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("requests"), TimeElapsedColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), transient=False,
+            )  # fmt: skip
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+
+    def task(self, label: str, total: int) -> Callable[[int, int], None]:
+        if self._progress is None:
+            return lambda done, total: None
+        progress = self._progress
+        task_id = progress.add_task(label, total=total)
+        last = [0.0]
+
+        def update(done: int, total_now: int) -> None:
+            now = time.monotonic()
+            if done < total_now and now - last[0] < 0.1:
+                return
+            last[0] = now
+            progress.update(task_id, completed=done, total=total_now)
+
+        return update
+
+
+def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
+    """Plan, run every variant × repeat, store, analyze, judge and render."""
+    plan = plan_run(path, options)
+    if options.dry_run:
+        return RunOutcome(run_dir=Path(), verdict=None, summary={}, plan=plan)
+    hyp, loaded = plan.hypothesis, plan.loaded
+    backend = get_backend(plan.backend)
+    run_dir = new_run_dir(options.results_root, hyp.id, out=options.out)
+    run_id = (
+        f"{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%SZ')}-"
+        + hashlib.blake2b(
+            f"{run_dir.resolve()}|{time.time_ns()}".encode(), digest_size=3
+        ).hexdigest()
+    )
+    manifest: dict[str, Any] = {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "hypothesis_id": hyp.id,
+        "hypothesis_file": str(loaded.path),
+        "hypothesis": hyp.model_dump(mode="json", by_alias=True),
+        "cli": {"argv": list(sys.argv), "options": _options_json(options)},
+        "backend": plan.backend,
+        "variants": plan.variants,
+        "repeats": plan.repeats,
+        "master_seed": plan.seed,
+        "requests_per_run": plan.requests_per_run,
+        "runs_planned": len(plan.variants) * plan.repeats,
+        "runs": [],
+        "fidelity": {},
+        "telemetry_source": None,
+        "versions": _versions(),
+        "git": _git_commit(loaded.base_dir),
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform()},
+        "started": _now(),
+        "finished": None,
+        "complete": False,
+    }
+    write_manifest(run_dir, manifest)
+    interrupted = False
+    try:
+        with _Progress(options.progress) as progress:
+            for repeat in range(plan.repeats):
+                workload_seed = derive_seed(plan.seed, "workload", repeat)
+                requests = _load_requests(loaded, workload_seed)
+                manifest["requests_per_run"] = len(requests)
+                for name in plan.variants:
+                    _run_one(backend, hyp, name, repeat, requests, run_dir, manifest,
+                             progress, workload_seed)  # fmt: skip
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        manifest["finished"] = _now()
+        manifest["complete"] = not interrupted and len(manifest["runs"]) == manifest[
+            "runs_planned"
+        ] and all(r["status"] != "interrupted" for r in manifest["runs"])  # fmt: skip
+        manifest["interrupted"] = interrupted
+        write_manifest(run_dir, manifest)
+        finalize_parquet(run_dir, plan.variants)
+
+    from btb_lab.report.render import build_report
+
+    run = build_report(run_dir)
+    if interrupted:
+        raise RunInterrupted(run_dir)
+    return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)
+
+
+def _options_json(options: RunOptions) -> dict[str, Any]:
+    data = asdict(options)
+    for key in ("out", "results_root"):
+        data[key] = None if data[key] is None else str(data[key])
+    return data
+
+
+def _run_one(
+    backend: Backend,
+    hyp: Hypothesis,
+    name: str,
+    repeat: int,
+    requests: list[Request],
+    run_dir: Path,
+    manifest: dict[str, Any],
+    progress: _Progress,
+    workload_seed: int,
+) -> None:
+    seed = derive_seed(hyp.seed, "variant", repeat, name)
+    entry: dict[str, Any] = {
+        "variant": name, "repeat": repeat, "seed": seed, "workload_seed": workload_seed,
+        "requests": len(requests), "status": "running", "started": _now(),
+    }  # fmt: skip
+    manifest["runs"].append(entry)
+    write_manifest(run_dir, manifest)
+    sink = JsonlRecordSink(run_dir, name, repeat)
+    resolved = resolve_variant(hyp, name)
+    ctx = RunContext(
+        hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
+        seed=seed, run_dir=run_dir, sink=sink,
+        progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
+    )  # fmt: skip
+    try:
+        result = backend.run_variant(ctx, list(requests))
+    except KeyboardInterrupt:
+        entry["status"] = "interrupted"
+        raise
+    except UserError:
+        entry["status"] = "failed"
+        raise
+    except Exception as exc:  # a crashed run is recorded; the verdict says INCONCLUSIVE
+        entry["status"] = "failed"
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"run {name} repeat {repeat} failed: {entry['error']}", file=sys.stderr)
+        return
+    finally:
+        sink.close()
+        entry["records"] = sink.count
+        entry["finished"] = _now()
+    write_utilization_part(run_dir, name, repeat, result.utilization)
+    entry["status"] = "ok"
+    manifest["fidelity"][name] = dict(result.fidelity)
+    manifest["telemetry_source"] = result.telemetry_source
+    if result.extra:
+        entry["extra"] = result.extra
+    write_manifest(run_dir, manifest)
