@@ -434,7 +434,7 @@ def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
             if next_tokens > p.max_context_tokens:
                 break
             # Full blocks of this prompt stay identical; the partial tail block changes.
-            blocks = _prompt_blocks(blocks, next_tokens, bt, ids)
+            blocks = _prompt_blocks(blocks[: input_tokens // bt], next_tokens, bt, ids)
             input_tokens = next_tokens
             arrival_s += float(rng.exponential(p.think_time_s_mean)) if p.think_time_s_mean else 0
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
