@@ -210,21 +210,27 @@ def _lead(cache: dict[int, Any] | OrderedDict[int, None], hashes: Sequence[int])
 class _View:
     """The `ClusterView` a policy sees; attributes are updated in place as the run goes."""
 
-    __slots__ = ("_engine", "costs", "instances", "now_s")
+    __slots__ = ("_hbm", "_known", "costs", "instances", "now_s")
 
     def __init__(self, engine: Engine) -> None:
-        self._engine = engine
         self.now_s = 0.0
         self.instances: list[InstanceLoad] = [i.load for i in engine.insts]
         self.costs = engine.costs
+        # the cache objects live as long as the run, so the view can hold them directly
+        self._hbm = [i.hbm for i in engine.insts]
+        self._known = [i.routed for i in engine.insts] if engine.view_routed else self._hbm
 
     def match_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
-        eng = self._engine
-        inst = eng.insts[instance]
-        return _lead(inst.routed if eng.view_routed else inst.hbm, block_hashes)
+        cache = self._known[instance]
+        n = 0
+        for h in block_hashes:
+            if h not in cache:
+                return n
+            n += 1
+        return n
 
     def complete_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
-        return _lead(self._engine.insts[instance].hbm, block_hashes)
+        return _lead(self._hbm[instance], block_hashes)
 
 
 @dataclass
@@ -581,7 +587,9 @@ class Engine:
                     inst, job, f"needs {job.need} KV tokens; {inst.name} holds {inst.cap_tokens}"
                 )
                 continue
-            if not self._admissible(inst, job):
+            if (
+                job.kind != JOB_WARM and inst.n_seqs >= self.max_batch
+            ) or inst.reserved + job.need > inst.cap_tokens:
                 break
             waiting.popleft()
             inst.load.waiting -= 1
@@ -605,7 +613,7 @@ class Engine:
             if was_idle:
                 inst.busy_since = now
             self._push(
-                now + self._seg_dur(inst, steps),
+                now + steps * inst.seg_c0 + inst.seg_c1 * steps * (steps - 1) * 0.5,
                 PRI_SEGMENT,
                 EV_SEGMENT,
                 inst.index,
@@ -616,7 +624,7 @@ class Engine:
             self._add_busy(inst, inst.busy_since, now)
         inst.phase = PHASE_IDLE
 
-    def _reserve(self, inst: _Inst, tokens: int) -> None:
+    def _reserve(self, inst: _Inst, tokens: int, *, fit: bool = True) -> None:
         inst.reserved += tokens
         k = int(self.now / self.dt)
         if k != inst.mem_bin:
@@ -626,7 +634,8 @@ class Engine:
             inst.mem_peak = inst.reserved
         elif inst.reserved > inst.mem_peak:
             inst.mem_peak = inst.reserved
-        self._fit_hbm(inst)
+        if fit:
+            self._fit_hbm(inst)
 
     def _start_prefill(self, inst: _Inst, job: _Job) -> bool:
         """Start the prefill of `job`; False when it was parked to wait for a warm copy."""
@@ -698,8 +707,9 @@ class Engine:
                         self.stats["parked_for_warm"] += 1
                         self._push(ready, PRI_PARK, EV_PARK, inst.index, job)
                         return False
-            if n_use:
-                # touch / promote the blocks this prefill reuses
+            if n_use and self.after_prefill:
+                # touch / promote the blocks this prefill reuses (at_admission inserts
+                # the whole prompt below, which touches them too)
                 for h in hashes[:n_use]:
                     if h in hbm:
                         hbm.move_to_end(h)
@@ -721,7 +731,7 @@ class Engine:
             rec.kv_load_s = load_s
             rec.prefill_s = prefill_s
         job.prefill_start_s = now
-        self._reserve(inst, job.need)
+        self._reserve(inst, job.need, fit=not hashes or self.after_prefill)
         if hashes:
             if self.after_prefill:
                 pending = inst.pending
@@ -732,7 +742,8 @@ class Engine:
             else:
                 self._insert(inst, hashes)
         inst.phase = PHASE_PREFILL
-        self._push(done, PRI_PREFILL, EV_PREFILL, inst.index, job)
+        self.seq += 1
+        heapq.heappush(self.heap, (done, PRI_PREFILL, self.seq, EV_PREFILL, inst.index, job))
         return True
 
     def _admit_kv(self, inst: _Inst, job: _Job) -> None:
