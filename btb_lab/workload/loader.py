@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from btb_lab.errors import UserError
+from pydantic import ValidationError
+
+from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.records import Request
 from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
 from btb_lab.workload.generators import GENERATORS, GenContext, parse_params
@@ -38,20 +40,48 @@ def _trace_path(spec: WorkloadSpec, base_dir: Path) -> Path:
 
 
 def validate_workload_spec(spec: WorkloadSpec, base_dir: Path) -> None:
-    """Cheap checks at validate time: names, generator params, trace file existence."""
+    """Cheap checks at validate time: names, generator params, trace file existence.
+
+    Raises `ValidationFailed` with one `workload.<field path>: <problem>` line each, so
+    the hypothesis loader can point at the YAML line of the field.
+    """
+    problems: list[str] = []
     if spec.trace is not None:
-        FORMATS.canonical(spec.trace.format)
+        if spec.trace.format not in FORMATS:
+            problems.append(
+                f"workload.trace.format: unknown trace format {spec.trace.format!r}; "
+                f"choose one of: {', '.join(FORMATS.names())}"
+            )
         path = _trace_path(spec, base_dir)
         if not path.is_file():
-            raise UserError(f"workload.trace.path: trace file not found: {path}")
+            problems.append(f"workload.trace.path: trace file not found: {path}")
     if spec.generator is not None:
-        GENERATORS.canonical(spec.generator.kind)
-        params = parse_params(spec.generator.kind, spec.generator.params)
-        real_trace = getattr(params, "real_trace", None)
-        if real_trace:
-            path = Path(real_trace) if Path(real_trace).is_absolute() else base_dir / real_trace
-            if not path.is_file():
-                raise UserError(f"workload.generator.params.real_trace: not found: {path}")
+        kind = spec.generator.kind
+        if kind not in GENERATORS:
+            problems.append(
+                f"workload.generator.kind: unknown workload generator {kind!r}; "
+                f"choose one of: {', '.join(GENERATORS.names())}"
+            )
+        else:
+            model = GENERATORS.get(kind).params_model
+            try:
+                params = model.model_validate(spec.generator.params)
+            except ValidationError as exc:
+                valid = ", ".join(sorted(model.model_fields))
+                for err in exc.errors():
+                    loc = ".".join(str(part) for part in err["loc"])
+                    where = f"workload.generator.params{'.' + loc if loc else ''}"
+                    hint = f" (valid params: {valid})" if err["type"] == "extra_forbidden" else ""
+                    problems.append(f"{where}: {err['msg']}{hint}")
+            else:
+                real_trace = getattr(params, "real_trace", None)
+                if real_trace:
+                    path = Path(real_trace)
+                    path = path if path.is_absolute() else base_dir / path
+                    if not path.is_file():
+                        problems.append(f"workload.generator.params.real_trace: not found: {path}")
+    if problems:
+        raise ValidationFailed(problems)
 
 
 def apply_time_scale(
