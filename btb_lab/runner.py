@@ -146,8 +146,6 @@ def _overrides(options: RunOptions) -> dict[str, Any]:
         merged["workload.time_scale"] = options.time_scale
     if options.seed is not None:
         merged["seed"] = options.seed
-    if options.backend is not None:
-        merged["backend"] = options.backend
     return merged
 
 
@@ -170,7 +168,7 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
         variants = [v for v in hyp.variants if v in chosen]
     instances = [f"{g.count}×{g.role} ({g.gpus}×{g.gpu})" for g in hyp.cluster.instances]
     return RunPlan(
-        hypothesis=hyp, loaded=loaded, backend=hyp.backend, variants=variants,
+        hypothesis=hyp, loaded=loaded, backend=options.backend or hyp.backend, variants=variants,
         repeats=hyp.repeats, seed=hyp.seed, requests_per_run=hyp.workload.requests,
         instances=instances,
     )  # fmt: skip

@@ -144,14 +144,31 @@ def _comparisons(run: AnalyzedRun) -> list[dict[str, str]]:
     return rows
 
 
+# facts already printed elsewhere in the report (variants, topology) or too bulky for it;
+# summary.json and manifest.json keep them all
+_FIDELITY_HIDDEN = frozenset({"per_variant", "policy", "policy_params", "topology", "stats"})
+
+
+def _shown_fidelity(settings: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v
+        for k, v in settings.items()
+        if k not in _FIDELITY_HIDDEN and not isinstance(v, dict | list)
+    }
+
+
 def entry_context(run: AnalyzedRun) -> dict[str, Any]:
     """Everything the report and log templates print, preformatted."""
     hyp = run.hypothesis
     manifest = run.manifest
     summary = run.summary
     requests_per_run = manifest.get("requests_per_run")
-    fidelity = {k: v for k, v in summary["fidelity"].items() if k != "per_variant"}
-    per_variant_fidelity = summary["fidelity"].get("per_variant", {})
+    fidelity = _shown_fidelity(summary["fidelity"])
+    per_variant_fidelity = {
+        name: shown
+        for name, diff in summary["fidelity"].get("per_variant", {}).items()
+        if (shown := _shown_fidelity(diff))
+    }
     runs = manifest.get("runs", [])
     rule = hyp.verdict
     claim_metric = rule.metric + (f" ({rule.klass})" if rule.klass else "")

@@ -1,0 +1,103 @@
+"""Metric formulas against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from btb_lab.analysis.metrics import (
+    cache_stats,
+    derive_timings,
+    gpu_stats,
+    metric_label,
+    request_metrics,
+)
+
+
+def frame(rows: list[dict]) -> pd.DataFrame:
+    base = {"variant": "v", "repeat": 0, "cached_tokens": 0, "input_tokens": 100, "ok": True,
+            "cache_tier": None, "route": "COLO", "class": None}  # fmt: skip
+    return pd.DataFrame([{**base, **r} for r in rows])
+
+
+def test_ttft_e2e_tpot_definitions() -> None:
+    f = derive_timings(frame([
+        # sent 10, first token 10.5, finish 12.5, 5 tokens -> TPOT (2.5-0.5)/4 = 0.5
+        {"sent_s": 10.0, "first_token_s": 10.5, "finish_s": 12.5, "output_tokens": 5},
+        # one output token: TPOT undefined
+        {"sent_s": 0.0, "first_token_s": 1.0, "finish_s": 1.0, "output_tokens": 1},
+        # failed: no timings at all
+        {"sent_s": 0.0, "first_token_s": None, "finish_s": None, "output_tokens": 9, "ok": False},
+    ]))  # fmt: skip
+    assert f["ttft_s"].tolist()[:2] == [0.5, 1.0]
+    assert f["e2e_s"].tolist()[:2] == [2.5, 1.0]
+    assert f["tpot_s"].iloc[0] == pytest.approx(0.5)
+    assert math.isnan(f["tpot_s"].iloc[1])
+    assert f.iloc[2][["ttft_s", "e2e_s", "tpot_s"]].isna().all()
+
+
+def test_ttft_uses_actual_send_not_target_arrival() -> None:
+    f = derive_timings(frame([
+        {"arrival_s": 1.0, "sent_s": 1.25, "first_token_s": 2.0, "finish_s": 3.0,
+         "output_tokens": 2},
+    ]))  # fmt: skip
+    assert f["ttft_s"].iloc[0] == pytest.approx(0.75)
+
+
+def test_percentiles_ok_rate_and_counts() -> None:
+    rows = [
+        {"sent_s": 0.0, "first_token_s": float(t), "finish_s": float(t) + 1, "output_tokens": 3}
+        for t in range(1, 11)
+    ] + [{"sent_s": 0.0, "first_token_s": None, "finish_s": None, "output_tokens": 3, "ok": False}]
+    m = request_metrics(derive_timings(frame(rows)))
+    assert (m["n"], m["ok"]) == (11, 10)
+    assert m["ok_rate"] == pytest.approx(10 / 11)
+    # linear interpolation over 1..10 (vLLM's np.percentile): p50 = 5.5, p90 = 9.1, p99 = 9.91
+    assert m["ttft_p50"] == pytest.approx(5.5)
+    assert m["ttft_p90"] == pytest.approx(9.1)
+    assert m["ttft_p99"] == pytest.approx(9.91)
+    assert m["ttft_mean"] == pytest.approx(5.5)
+    assert m["e2e_p50"] == pytest.approx(6.5)
+    assert m["tpot_p50"] == pytest.approx(0.5)  # (e2e − ttft) / (3 − 1) = 1 / 2
+
+
+def test_empty_metrics_are_none() -> None:
+    m = request_metrics(derive_timings(frame([
+        {"sent_s": 0.0, "first_token_s": None, "finish_s": None, "output_tokens": 3, "ok": False}
+    ])))  # fmt: skip
+    assert m["ok"] == 0 and m["ttft_p90"] is None
+
+
+def test_gpu_imbalance_std_max_from_per_instance_means() -> None:
+    util = pd.DataFrame({
+        "variant": "v", "repeat": 0, "device": "sim",
+        "time_s": [0, 1, 0, 1, 0, 1],
+        "instance": ["a", "a", "b", "b", "c", "c"],
+        "utilization": [0.2, 0.4, 0.6, 0.6, 0.9, 0.9],
+    })  # fmt: skip
+    g = gpu_stats(util)
+    # means 0.3, 0.6, 0.9 -> imbalance 3.0, population std sqrt(0.06), max 0.9
+    assert g["imbalance"] == pytest.approx(3.0)
+    assert g["std"] == pytest.approx(np.sqrt(((0.3 - 0.6) ** 2 + 0 + (0.9 - 0.6) ** 2) / 3))
+    assert g["max"] == pytest.approx(0.9)
+
+
+def test_cache_stats() -> None:
+    c = cache_stats(frame([
+        {"input_tokens": 100, "cached_tokens": 50, "cache_tier": "hbm"},
+        {"input_tokens": 300, "cached_tokens": 0},
+        {"input_tokens": 100, "cached_tokens": 100, "cache_tier": "ram"},
+    ]))  # fmt: skip
+    assert c["hit_rate"] == pytest.approx(150 / 500)
+    assert c["mean_fraction"] == pytest.approx((0.5 + 0 + 1) / 3)
+    assert c["requests_with_hit"] == 2
+    assert c["tiers"] == {"hbm": 1, "ram": 1}
+
+
+def test_labels() -> None:
+    assert metric_label("ttft_p90") == "TTFT90"
+    assert metric_label("tpot_mean") == "TPOTmean"
+    assert metric_label("gpu_imbalance") == "GPU imbalance"

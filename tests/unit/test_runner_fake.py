@@ -1,0 +1,209 @@
+"""A fake backend for the spine's tests, plus runner tests that use it.
+
+The fake routes round-robin and stamps times from a seeded generator, with a per-variant
+TTFT multiplier set by the test, so verdicts on its output are known in advance."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from btb_lab.backends import BACKENDS, BackendResult, RunContext
+from btb_lab.records import Request, RequestRecord, UtilSample
+from btb_lab.runner import RunInterrupted, RunOptions, derive_seed, run_hypothesis
+
+FAKE = "fake"
+# variant name -> TTFT multiplier; missing variants run at 1.0
+EFFECTS: dict[str, float] = {}
+# raise KeyboardInterrupt after writing this many records of this variant
+INTERRUPT: dict[str, int] = {}
+SEEN: list[tuple[str, int, int, tuple[tuple[str, float], ...]]] = []
+
+
+class FakeBackend:
+    name = FAKE
+
+    def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
+        rng = random.Random(ctx.seed)
+        n_inst = sum(g.count for g in ctx.hypothesis.cluster.instances)
+        SEEN.append(
+            (
+                ctx.variant_name,
+                ctx.repeat,
+                ctx.seed,
+                tuple((r.request_id, r.arrival_s) for r in requests),
+            )
+        )
+        factor = EFFECTS.get(ctx.variant_name, 1.0)
+        stop = INTERRUPT.get(ctx.variant_name)
+        batch: list[RequestRecord] = []
+        for i, req in enumerate(requests):
+            if stop is not None and i == stop:
+                ctx.sink.write(batch)
+                raise KeyboardInterrupt
+            ttft = (0.2 + rng.expovariate(2.0)) * factor
+            tpot = 0.02 + rng.random() * 0.01
+            finish = req.arrival_s + ttft + tpot * max(req.output_tokens - 1, 0)
+            batch.append(RequestRecord(
+                variant=ctx.variant_name, repeat=ctx.repeat, request_id=req.request_id,
+                trace_id=req.trace_id, source=req.source, session_id=req.session_id,
+                instance=f"C{i % n_inst}", route="COLO", arrival_s=req.arrival_s,
+                sent_s=req.arrival_s, first_token_s=req.arrival_s + ttft, finish_s=finish,
+                input_tokens=req.input_tokens, output_tokens=req.output_tokens,
+                cached_tokens=req.input_tokens // 2 if i % 2 else 0, turn=req.turn,
+            ))  # fmt: skip
+            if len(batch) >= 16:
+                ctx.sink.write(batch)
+                batch = []
+            ctx.progress(i + 1, len(requests))
+        ctx.sink.write(batch)
+        util = [
+            UtilSample(time_s=float(t), instance=f"C{k}", device="sim",
+                       utilization=0.2 + 0.1 * k * factor)
+            for t in range(5) for k in range(n_inst)
+        ]  # fmt: skip
+        return BackendResult(
+            utilization=util, fidelity={"fake.noise": "exp", "fake.factor": factor}
+        )
+
+
+if FAKE not in BACKENDS:
+    BACKENDS.add(FAKE, FakeBackend)
+
+HYPOTHESIS = """\
+id: HT
+title: Test hypothesis
+claim: fast is faster than base
+prior_evidence: none
+backend: sim
+model: llama-3.3-70b
+cluster:
+  instances:
+    - {role: C, count: 2, gpu: H100, gpus: 1}
+workload:
+  generator:
+    kind: poisson
+    params: {requests: 120, rate_per_s: 4.0}
+classes:
+  - name: LONG
+    when:
+      - {field: input_tokens, op: ">=", value: 4000}
+  - name: SHORT
+variants:
+  base:
+    router: {policy: least_load}
+  fast:
+    router: {policy: round_robin}
+baseline: base
+repeats: 1
+seed: 3
+verdict:
+  metric: ttft_p90
+  direction: decrease
+  min_effect: 0.05
+  guards:
+    - {metric: ok_rate, max_worse: 0.01}
+  bootstrap_samples: 200
+  min_ok_requests: 20
+"""
+
+
+def write_hypothesis(folder: Path, text: str = HYPOTHESIS) -> Path:
+    path = folder / "ht.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def fake_effects():
+    EFFECTS.clear()
+    INTERRUPT.clear()
+    SEEN.clear()
+    yield EFFECTS
+    EFFECTS.clear()
+    INTERRUPT.clear()
+    SEEN.clear()
+
+
+def run_fake(folder: Path, out: str = "run", **kwargs) -> object:
+    path = write_hypothesis(folder)
+    options = RunOptions(backend=FAKE, out=folder / out, progress=False, **kwargs)
+    return run_hypothesis(path, options)
+
+
+def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effects) -> None:
+    fake_effects["fast"] = 0.5
+    outcome = run_fake(tmp_path)
+    run_dir = outcome.run_dir
+    for name in ("manifest.json", "requests.parquet", "utilization.parquet", "summary.json",
+                 "report.md", "plots/ttft_cdf.png"):  # fmt: skip
+        assert (run_dir / name).is_file(), name
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    assert manifest["backend"] == FAKE
+    assert manifest["fidelity"]["fast"]["fake.factor"] == 0.5
+    assert {r["status"] for r in manifest["runs"]} == {"ok"}
+    assert manifest["versions"]["btb-lab"]
+    records = pd.read_parquet(run_dir / "requests.parquet")
+    assert len(records) == 240 and set(records["variant"]) == {"base", "fast"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["verdict"]["word"] == "VALIDATED"
+    assert summary["variants"]["fast"]["all"]["n"] == 120
+    assert set(summary["variants"]["fast"]["classes"]) == {"LONG", "SHORT"}
+    ratio = (
+        summary["variants"]["fast"]["all"]["ttft_p90"]
+        / summary["variants"]["base"]["all"]["ttft_p90"]
+    )
+    assert 0.3 < ratio < 0.8
+
+
+def test_same_seed_same_numbers_and_shared_requests(tmp_path: Path, fake_effects) -> None:
+    a = run_fake(tmp_path, out="a", repeats=2)
+    b = run_fake(tmp_path, out="b", repeats=2)
+    assert a.summary["variants"] == b.summary["variants"]
+    assert a.summary["verdict"] == b.summary["verdict"]
+    # per repeat, both variants saw identical requests; repeats differ from each other
+    by_key = {(v, r): ids for v, r, _, ids in SEEN[:4]}
+    assert by_key[("base", 0)] == by_key[("fast", 0)]
+    assert by_key[("base", 1)] == by_key[("fast", 1)]
+    assert by_key[("base", 0)] != by_key[("base", 1)]  # generator reseeded per repeat
+    seeds = [s for _, _, s, _ in SEEN[:4]]
+    assert len(set(seeds)) == 4
+    assert seeds[0] == derive_seed(3, "variant", 0, "base")
+
+
+def test_cli_seed_changes_numbers(tmp_path: Path, fake_effects) -> None:
+    a = run_fake(tmp_path, out="a")
+    b = run_fake(tmp_path, out="b", seed=99)
+    assert a.summary["variants"]["base"]["all"] != b.summary["variants"]["base"]["all"]
+
+
+def test_variants_filter_keeps_baseline(tmp_path: Path, fake_effects) -> None:
+    outcome = run_fake(tmp_path, variants=["fast"])
+    assert list(outcome.summary["variants"]) == ["base", "fast"]
+
+
+def test_dry_run_plans_without_writing(tmp_path: Path, fake_effects) -> None:
+    outcome = run_fake(tmp_path, dry_run=True, repeats=3, requests=50)
+    text = "\n".join(outcome.plan.describe())
+    assert "repeats: 3" in text and "50 requests" in text and "runs: 6" in text
+    assert not (tmp_path / "run").exists()
+    assert SEEN == []
+
+
+def test_interrupt_keeps_finished_records(tmp_path: Path, fake_effects) -> None:
+    INTERRUPT["fast"] = 40
+    with pytest.raises(RunInterrupted) as info:
+        run_fake(tmp_path)
+    run_dir = info.value.run_dir
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["interrupted"] is True
+    records = pd.read_parquet(run_dir / "requests.parquet")
+    assert (records["variant"] == "base").sum() == 120
+    assert (records["variant"] == "fast").sum() == 40  # every record written before Ctrl-C
+    report = (run_dir / "report.md").read_text()
+    assert "INCOMPLETE RUN" in report and "**INCONCLUSIVE**" in report

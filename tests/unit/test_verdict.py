@@ -1,0 +1,149 @@
+"""The verdict engine on synthetic records with known effects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from btb_lab.analysis.metrics import derive_timings
+from btb_lab.analysis.verdict import evaluate_verdict
+from btb_lab.hypothesis.schema import VerdictRule
+
+EMPTY_UTIL = pd.DataFrame(columns=["variant", "repeat", "time_s", "instance", "device",
+                                   "utilization"])  # fmt: skip
+
+
+def records(
+    variant: str, scale: float, *, n: int = 300, seed: int = 0, repeats: int = 1,
+    fail: int = 0, klass: str | None = None, classes: tuple[str, ...] = (),
+) -> list[dict]:  # fmt: skip
+    """TTFTs drawn from one lognormal, multiplied by `scale` (the true effect)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for rep in range(repeats):
+        ttft = rng.lognormal(0.0, 0.5, n) * scale
+        for i in range(n):
+            ok = i >= fail
+            rows.append({
+                "variant": variant, "repeat": rep, "request_id": f"r{i}", "sent_s": 0.0,
+                "first_token_s": ttft[i] if ok else None,
+                "finish_s": ttft[i] + 1.0 if ok else None,
+                "output_tokens": 11, "input_tokens": 1000, "cached_tokens": 0, "ok": ok,
+                "class": klass or (classes[i % len(classes)] if classes else None),
+            })  # fmt: skip
+    return rows
+
+
+def judge(rows: list[dict], rule: VerdictRule | None = None, variants=("base", "new")) -> object:
+    frame = derive_timings(pd.DataFrame(rows))
+    return evaluate_verdict(
+        frame, EMPTY_UTIL, rule or VerdictRule(metric="ttft_p90", min_effect=0.05),
+        baseline="base", variants=list(variants), seed=1,
+    )  # fmt: skip
+
+
+def test_clear_win_is_validated_with_numbers() -> None:
+    v = judge(records("base", 1.0, seed=1) + records("new", 0.6, seed=2))
+    assert v.word == "VALIDATED"
+    assert v.reason.startswith("TTFT90 -")
+    assert "beyond the 5% minimum effect" in v.reason
+    primary = v.variants["new"].primary
+    assert primary.ci_high < -0.05 and primary.ci_low < primary.change < primary.ci_high
+
+
+def test_no_change_is_rejected_within_noise() -> None:
+    # the same latency sample for both: zero true effect, the interval straddles zero
+    v = judge(records("base", 1.0, seed=1) + records("new", 1.0, seed=1))
+    assert v.word == "REJECTED"
+    assert v.reason.endswith("within noise")
+    p = v.variants["new"].primary
+    assert p.ci_low < 0 < p.ci_high
+
+
+def test_wrong_direction_is_rejected() -> None:
+    v = judge(records("base", 1.0, seed=1) + records("new", 1.6, seed=2))
+    assert v.word == "REJECTED"
+    assert "opposite of the claimed decrease" in v.reason
+
+
+def test_increase_claim_mirrors() -> None:
+    rule = VerdictRule(metric="ttft_p90", direction="increase", min_effect=0.05)
+    v = judge(records("base", 1.0, seed=1) + records("new", 1.6, seed=2), rule)
+    assert v.word == "VALIDATED"
+
+
+def test_guard_failure_is_partial() -> None:
+    rule = VerdictRule(metric="ttft_p90", min_effect=0.05,
+                       guards=[{"metric": "ok_rate", "max_worse": 0.01}])  # fmt: skip
+    v = judge(records("base", 1.0, seed=1) + records("new", 0.6, seed=2, fail=30), rule)
+    assert v.word == "PARTIALLY VALIDATED"
+    assert "OK rate worse by 10.0 pt (limit 1.0 pt)" in v.reason
+    guard = v.variants["new"].guards[0]
+    assert not guard.holds and abs(guard.worse_by - 0.1) < 1e-9
+
+
+def test_guard_holding_keeps_validated() -> None:
+    rule = VerdictRule(metric="ttft_p90", min_effect=0.05,
+                       guards=[{"metric": "ok_rate", "max_worse": 0.01}])  # fmt: skip
+    v = judge(records("base", 1.0, seed=1) + records("new", 0.6, seed=2), rule)
+    assert v.word == "VALIDATED" and "guards hold" in v.reason
+
+
+def test_too_few_requests_is_inconclusive() -> None:
+    v = judge(records("base", 1.0, n=10, seed=1) + records("new", 0.5, n=10, seed=2))
+    assert v.word == "INCONCLUSIVE"
+    assert "too few successful requests: 10 for new, 10 for base (need 20)" in v.reason
+
+
+def test_failed_run_is_inconclusive() -> None:
+    frame = derive_timings(pd.DataFrame(records("base", 1.0) + records("new", 0.5, seed=3)))
+    v = evaluate_verdict(frame, EMPTY_UTIL, VerdictRule(metric="ttft_p90"), baseline="base",
+                         variants=["base", "new"], seed=0, failed=["new"])  # fmt: skip
+    assert v.word == "INCONCLUSIVE" and "failed" in v.reason
+
+
+def test_small_effect_is_rejected_as_below_minimum() -> None:
+    # a true 3% gain with many requests: the interval excludes zero but not the 20% bar
+    rule = VerdictRule(metric="ttft_mean", min_effect=0.20)
+    v = judge(records("base", 1.0, n=4000, seed=1) + records("new", 0.9, n=4000, seed=2), rule)
+    assert v.word == "REJECTED"
+    assert "smaller than the 20% minimum effect" in v.reason
+
+
+def test_per_class_reversal_is_partial() -> None:
+    # class A gets much faster, class B much slower; overall p90 within noise or better
+    base = records("base", 1.0, seed=1, klass="A") + records("base", 1.0, seed=2, klass="B")
+    new = records("new", 0.4, seed=3, klass="A") + records("new", 1.5, seed=4, klass="B")
+    for i, row in enumerate(base + new):
+        row["request_id"] = f"q{i}"
+    rule = VerdictRule(metric="ttft_p50", min_effect=0.05, per_class=["A", "B"])
+    v = judge(base + new, rule)
+    assert v.word == "PARTIALLY VALIDATED"
+    assert "reverses for" in v.reason and "B" in v.reason
+
+
+def test_repeats_are_resampled_and_reproducible() -> None:
+    rows = records("base", 1.0, seed=1, repeats=3) + records("new", 0.6, seed=2, repeats=3)
+    a, b = judge(rows), judge(rows)
+    assert a.word == "VALIDATED"
+    assert a.to_dict() == b.to_dict()
+
+
+def test_strongest_variant_decides() -> None:
+    rows = records("base", 1.0, seed=1) + records("same", 1.0, seed=2) + records("new", 0.5, seed=3)
+    v = judge(rows, variants=("base", "same", "new"))
+    assert v.word == "VALIDATED" and "(new vs base)" in v.reason
+    assert v.variants["same"].word == "REJECTED"
+
+
+def test_gpu_metric_from_utilization_samples() -> None:
+    util = pd.DataFrame([
+        {"variant": var, "repeat": 0, "time_s": float(t), "instance": f"C{k}", "device": "sim",
+         "utilization": (0.1 + 0.6 * k if var == "base" else 0.4 + 0.05 * k) + 0.01 * (t % 3)}
+        for var in ("base", "new") for t in range(60) for k in range(2)
+    ])  # fmt: skip
+    frame = derive_timings(pd.DataFrame(records("base", 1.0) + records("new", 1.0, seed=5)))
+    v = evaluate_verdict(frame, util, VerdictRule(metric="gpu_imbalance"), baseline="base",
+                         variants=["base", "new"], seed=0)  # fmt: skip
+    assert v.word == "VALIDATED"
+    assert v.reason.startswith("GPU imbalance -")
