@@ -33,7 +33,8 @@ sweep.register(app)
 def main() -> None:
     """Entry point: a user mistake prints one message and exits 2, never a traceback."""
     try:
-        app(standalone_mode=False)
+        # Without standalone mode click returns a command's exit code instead of exiting.
+        rc = app(standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -43,17 +44,19 @@ def main() -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except Exception as exc:  # click's usage errors arrive here in non-standalone mode
-        import click
         from pydantic import ValidationError
 
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, typer.Abort):
             sys.exit(130)
-        if isinstance(exc, click.ClickException):
+        # typer vendors click; its usage errors derive from the public TyperException
+        if isinstance(exc, typer.TyperException) and hasattr(exc, "show"):
             exc.show()
-            sys.exit(exc.exit_code)  # usage errors: 2
+            sys.exit(getattr(exc, "exit_code", 2))  # usage errors: 2
         if isinstance(exc, ValidationError):  # settings built from user input outside a file
             for err in exc.errors():
                 where = ".".join(str(p) for p in err["loc"]) or "(input)"
                 typer.echo(f"error: {where}: {err['msg']}", err=True)
             sys.exit(2)
         raise
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)
