@@ -110,7 +110,10 @@ def table_markdown(df: pd.DataFrame, *, title: str | None = None) -> str:
     columns = [c for c in df.columns if c != "point_id"]
     lines = [f"# {title}", ""] if title else []
     lines.append("| " + " | ".join(columns) + " |")
-    lines.append("|" + "|".join("---" if df[c].dtype == object else "---:" for c in columns) + "|")
+    import pandas as pd
+
+    numeric = {c: pd.api.types.is_numeric_dtype(df[c]) for c in columns}
+    lines.append("|" + "|".join("---:" if numeric[c] else "---" for c in columns) + "|")
     for _, row in df.iterrows():
         lines.append("| " + " | ".join(_fmt(row[c], c) for c in columns) + " |")
     return "\n".join(lines) + "\n"
