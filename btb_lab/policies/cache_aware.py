@@ -66,23 +66,31 @@ class CacheAwareParams(StrictModel):
 
 
 def cache_aware_decision(request: Request, view: ClusterView, params: CacheAwareParams) -> Decision:
-    """The cache-aware choice for one request (shared with `btb`, whose fallback it is)."""
+    """The cache-aware choice for one request (shared with `btb`, whose fallback it is).
+    One pass over the instances: this runs once per simulated request."""
     candidates = serving(view)
+    loads = [inst.running + inst.waiting for inst in candidates]
     if is_imbalanced(
-        candidates,
+        loads,
         abs_threshold=params.balance_abs,
         rel_threshold=params.balance_rel,
         spread=params.balance_abs_on == "spread",
     ):
         return Decision(instance=least_load(candidates).index, route=ROUTE_BALANCE)
     blocks = request.block_hashes
-    if blocks:
-        matches = [(view.match_blocks(inst.index, blocks), inst) for inst in candidates]
-        best_blocks = max(m for m, _ in matches)
-        if best_blocks > 0 and best_blocks / len(blocks) > params.cache_threshold:
-            best = least_load([inst for m, inst in matches if m == best_blocks])
-            return Decision(instance=best.index, route=ROUTE_CACHE_HIT)
-    return Decision(instance=least_load(candidates).index, route=ROUTE_COLD)
+    # Smallest (−matched blocks, load, index): longest match, then lowest load and index;
+    # and smallest (load, index) for the no-match case, in the same pass.
+    best_key = cold_key = (0, 0, 0)
+    for n, (inst, load) in enumerate(zip(candidates, loads, strict=True)):
+        matched = view.match_blocks(inst.index, blocks) if blocks else 0
+        key = (-matched, load, inst.index)
+        if n == 0 or key < best_key:
+            best_key = key
+        if n == 0 or (0, load, inst.index) < cold_key:
+            cold_key = (0, load, inst.index)
+    if best_key[0] < 0 and -best_key[0] / len(blocks) > params.cache_threshold:
+        return Decision(instance=best_key[2], route=ROUTE_CACHE_HIT)
+    return Decision(instance=cold_key[2], route=ROUTE_COLD)
 
 
 @POLICIES.register("cache_aware")

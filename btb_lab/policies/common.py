@@ -34,11 +34,13 @@ def require_params(params: StrictModel, cls: type[P]) -> P:
 def serving(view: ClusterView) -> list[InstanceLoad]:
     """Instances that take whole requests: the C-role ones. A cluster without any C
     instance is served by all of them, so simple policies still work on odd layouts."""
-    instances = list(view.instances)
+    instances = view.instances
+    colocated = [inst for inst in instances if inst.role == "C"]
+    if colocated:
+        return colocated
     if not instances:
         raise UserError("the cluster has no instances to route to")
-    colocated = [inst for inst in instances if inst.role == "C"]
-    return colocated or instances
+    return list(instances)
 
 
 def prefill_service(view: ClusterView, policy: str) -> list[InstanceLoad]:
@@ -52,8 +54,15 @@ def prefill_service(view: ClusterView, policy: str) -> list[InstanceLoad]:
 
 
 def least_load(candidates: Sequence[InstanceLoad]) -> InstanceLoad:
-    """Fewest running + waiting requests; ties go to the lowest index."""
-    return min(candidates, key=lambda inst: (inst.load, inst.index))
+    """Fewest running + waiting requests; ties go to the lowest index. (A plain loop:
+    this runs for nearly every simulated request.)"""
+    best = candidates[0]
+    best_load = best.running + best.waiting
+    for inst in candidates[1:]:
+        load = inst.running + inst.waiting
+        if load < best_load or (load == best_load and inst.index < best.index):
+            best, best_load = inst, load
+    return best
 
 
 def least_outstanding(candidates: Sequence[InstanceLoad]) -> InstanceLoad:
@@ -63,12 +72,11 @@ def least_outstanding(candidates: Sequence[InstanceLoad]) -> InstanceLoad:
 
 
 def is_imbalanced(
-    candidates: Sequence[InstanceLoad], *, abs_threshold: float, rel_threshold: float, spread: bool
+    loads: Sequence[int], *, abs_threshold: float, rel_threshold: float, spread: bool
 ) -> bool:
-    """SGLang's balance test. Both conditions must hold: the absolute one compares the
-    maximum load (seed) or the max − min spread (SGLang) with `abs_threshold`, and the
-    relative one compares max with `rel_threshold` × min."""
-    loads = [inst.load for inst in candidates]
+    """SGLang's balance test over per-instance loads. Both conditions must hold: the
+    absolute one compares the maximum load (seed) or the max − min spread (SGLang) with
+    `abs_threshold`, and the relative one compares max with `rel_threshold` × min."""
     high, low = max(loads), min(loads)
     absolute = (high - low) if spread else high
     return absolute > abs_threshold and high > rel_threshold * low
