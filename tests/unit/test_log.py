@@ -1,0 +1,68 @@
+"""The hypothesis log: idempotent appends, hand-written text kept, parsing for `log show`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from btb_lab.report.log import append_entry, parse_log
+from tests.unit.test_runner_fake import fake_effects, run_fake
+
+__all__ = ["fake_effects"]
+
+HAND = """# Hypothesis log
+
+## H1: Mooncake kv_both has significant runtime overhead
+
+**Claim**: Enabling kv_both mode degrades TPOT.
+
+**Verdict**: **REJECTED**. kv_both has zero runtime overhead.
+
+Notes I wrote by hand after the run.
+"""
+
+
+def test_append_is_idempotent_and_keeps_hand_text(tmp_path: Path, fake_effects) -> None:
+    fake_effects["fast"] = 0.5
+    run_dir = run_fake(tmp_path).run_dir
+    log = tmp_path / "LOG.md"
+    log.write_text(HAND)
+    append_entry(run_dir, log)
+    once = log.read_text()
+    assert once.startswith(HAND)
+    assert "## HT: Test hypothesis" in once
+    assert "**Verdict**: **VALIDATED**." in once
+    assert "Report: [run/report.md](run/report.md)" in once
+    append_entry(run_dir, log)
+    assert log.read_text() == once
+    # text added after the entry by hand survives a re-append of the same run
+    log.write_text(once + "\nMore hand notes.\n")
+    append_entry(run_dir, log)
+    assert log.read_text() == once + "\nMore hand notes.\n"
+    assert log.read_text().count("btb-lab:entry HT") == 1
+
+
+def test_second_run_adds_an_entry_and_show_parses_all(tmp_path: Path, fake_effects) -> None:
+    first = run_fake(tmp_path, out="a").run_dir
+    second = run_fake(tmp_path, out="b", seed=5).run_dir
+    log = tmp_path / "LOG.md"
+    append_entry(first, log)
+    append_entry(second, log)
+    entries = parse_log(log.read_text())
+    assert [e.hypothesis for e in entries] == ["HT", "HT"]
+    assert all(e.run for e in entries)
+    assert entries[0].run != entries[1].run
+    hand = parse_log(HAND)
+    assert (hand[0].hypothesis, hand[0].verdict, hand[0].run) == ("H1", "REJECTED", None)
+
+
+def test_seed_verdict_line(tmp_path: Path, fake_effects) -> None:
+    from btb_lab.runner import RunOptions, run_hypothesis
+    from tests.unit.test_runner_fake import HYPOTHESIS
+
+    path = tmp_path / "sv.yaml"
+    path.write_text(HYPOTHESIS + "seed_verdict:\n  verdict: REJECTED\n  source: seed log H7\n"
+                    "  summary: all within noise\n")  # fmt: skip
+    outcome = run_hypothesis(path, RunOptions(backend="fake", out=tmp_path / "r", progress=False))
+    log = tmp_path / "LOG.md"
+    append_entry(outcome.run_dir, log)
+    assert "**Seed verdict**: **REJECTED** (seed log H7): all within noise" in log.read_text()

@@ -1,0 +1,61 @@
+"""Report rendering: seed-log shape, byte-for-byte re-rendering, interrupted runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from btb_lab.report.render import build_report
+from tests.unit.test_runner_fake import fake_effects, run_fake
+
+__all__ = ["fake_effects"]
+
+
+def test_report_has_the_seed_log_shape(tmp_path: Path, fake_effects) -> None:
+    fake_effects["fast"] = 0.5
+    outcome = run_fake(tmp_path)
+    report = (outcome.run_dir / "report.md").read_text()
+    summary = outcome.summary
+    base = summary["variants"]["base"]["all"]
+    assert report.startswith("# HT: Test hypothesis\n")
+    for heading in ("**Claim**: fast is faster than base", "**Prior evidence**: none",
+                    "**Experiment**: backend `fake`", "**Result**:", "**Verdict**: **VALIDATED**."):  # fmt: skip
+        assert heading in report
+    expected = (
+        f"OK={base['ok']}/{base['n']} TTFT50={base['ttft_p50']:.3f} "
+        f"TTFT90={base['ttft_p90']:.3f} TPOT90={base['tpot_p90']:.4f} E2E50={base['e2e_p50']:.3f}"
+    )
+    assert expected in report
+    assert "LONG: n=" in report
+    assert "SHORT: n=" in report
+    assert "fake.factor=1.0" in report  # backend fidelity is printed
+    assert "time_scale 1" in report
+    assert "![TTFT CDF per variant](plots/ttft_cdf.png)" in report
+    assert (outcome.run_dir / "plots" / "utilization.png").is_file()
+    assert summary["verdict"]["reason"] in report
+
+
+def test_rerender_is_byte_for_byte(tmp_path: Path, fake_effects) -> None:
+    outcome = run_fake(tmp_path)
+    run_dir = outcome.run_dir
+    before = {p: (run_dir / p).read_bytes() for p in ("report.md", "summary.json")}
+    (run_dir / "report.md").unlink()
+    build_report(run_dir)
+    after = {p: (run_dir / p).read_bytes() for p in ("report.md", "summary.json")}
+    assert before == after
+
+
+def test_summary_contract_keys(tmp_path: Path, fake_effects) -> None:
+    outcome = run_fake(tmp_path)
+    summary = json.loads((outcome.run_dir / "summary.json").read_text())
+    assert summary["hypothesis"] == "HT"
+    assert summary["backend"] == "fake"
+    assert summary["verdict"]["word"] in {"VALIDATED", "REJECTED", "PARTIALLY VALIDATED",
+                                          "INCONCLUSIVE"}  # fmt: skip
+    v = summary["variants"]["fast"]
+    for stat in ("n", "ok", "ok_rate", "ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99",
+                 "ttft_mean", "tpot_p90", "e2e_p50", "e2e_mean"):  # fmt: skip
+        assert stat in v["all"]
+    assert set(v["gpu"]) >= {"imbalance", "std", "max"}
+    assert v["routes"] == {"COLO": 120}
+    assert v["cache"]["requests_with_hit"] == 60
