@@ -18,8 +18,13 @@ def test_report_has_the_seed_log_shape(tmp_path: Path, fake_effects) -> None:
     summary = outcome.summary
     base = summary["variants"]["base"]["all"]
     assert report.startswith("# HT: Test hypothesis\n")
-    for heading in ("**Claim**: fast is faster than base", "**Prior evidence**: none",
-                    "**Experiment**: backend `fake`", "**Result**:", "**Verdict**: **VALIDATED**."):  # fmt: skip
+    for heading in (
+        "**Claim**: fast is faster than base",
+        "**Prior evidence**: none",
+        "**Experiment**: backend `fake`",
+        "**Result**:",
+        "**Verdict**: **VALIDATED**.",
+    ):
         assert heading in report
     expected = (
         f"OK={base['ok']}/{base['n']} TTFT50={base['ttft_p50']:.3f} "
