@@ -26,6 +26,7 @@ from btb_lab.sim.settings import SimSettings
 __all__ = ["BenchCacheAware", "BenchResult", "bench_instances", "bench_workload", "run_bench"]
 
 BENCH_SEED = 20260523
+TRACE_LIMIT = 200_000
 
 
 def bench_workload(
@@ -116,7 +117,7 @@ class BenchResult:
     runs_s: list[float]
     requests_per_s: float  # median of the runs
     peak_rss_bytes: int  # process high-water mark (resource.getrusage)
-    peak_traced_bytes: int  # Python allocations during one run (tracemalloc)
+    peak_traced_bytes: int  # Python allocations in one run (tracemalloc; 0 above TRACE_LIMIT)
     events: int
     simulated_s: float
 
@@ -147,12 +148,14 @@ def run_bench(n_requests: int = 200_000, *, repeats: int = 3, policy: str = "") 
         if len(kept) != n_requests:
             raise AssertionError(f"bench lost requests: {len(kept)} of {n_requests}")
         del kept
-    tracemalloc.start()
-    kept = []
-    run_engine(instances, settings, make(), requests, kept.append)
-    _, traced_peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    del kept
+    traced_peak = 0
+    if n_requests <= TRACE_LIMIT:  # tracemalloc slows a run ~3×; RSS covers big ones
+        tracemalloc.start()
+        kept = []
+        run_engine(instances, settings, make(), requests, kept.append)
+        _, traced_peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        del kept
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return BenchResult(
         requests=n_requests,

@@ -288,6 +288,8 @@ class Engine:
             "events": 0,
         }
         self.warm_log: list[WarmLogEntry] = []
+        # skip the call per finished request when the policy keeps no state
+        self.notify_finish = type(policy).on_finish is not Policy.on_finish
 
     # ---------------------------------------------------------------- run loop
     def run(
@@ -429,7 +431,11 @@ class Engine:
         else:
             inst.waiting.append(job)
         inst.load.waiting += 1
-        self._kick(inst)
+        phase = inst.phase
+        if phase == PHASE_IDLE:
+            self._step(inst)
+        elif phase == PHASE_DECODE and self._admissible(inst, inst.waiting[0]):
+            self._cut_segment(inst)
 
     # ---------------------------------------------------------------- warming
     def _warm(self, req: Request, action: WarmAction) -> None:
@@ -561,16 +567,21 @@ class Engine:
                 k = math.ceil((-b + math.sqrt(b * b + 4 * a * elapsed)) / (2 * a))
             else:
                 k = math.ceil(elapsed / b)
-            while k > 0 and self._seg_dur(inst, k - 1) >= elapsed - _EPS:
+            # guard the float root: k is the smallest step count reaching `elapsed`
+            target = elapsed - _EPS
+            while k > 0 and (k - 1) * c0 + c1 * (k - 1) * (k - 2) * 0.5 >= target:
                 k -= 1
-            while self._seg_dur(inst, k) < elapsed - _EPS:
+            while k * c0 + c1 * k * (k - 1) * 0.5 < target:
                 k += 1
         if k >= inst.seg_steps:
             return
         inst.seg_steps = k
         inst.seg_version += 1
-        end = inst.seg_start + self._seg_dur(inst, k)
-        self._push(end, PRI_SEGMENT, EV_SEGMENT, inst.index, inst.seg_version)
+        end = inst.seg_start + k * c0 + c1 * k * (k - 1) * 0.5
+        self.seq += 1
+        heapq.heappush(
+            self.heap, (end, PRI_SEGMENT, self.seq, EV_SEGMENT, inst.index, inst.seg_version)
+        )
 
     def _step(self, inst: _Inst) -> None:
         """Admit what fits (one prefill at a time, decode paused), else run a decode
@@ -869,7 +880,8 @@ class Engine:
         inst.load.running -= 1
         inst.reserved -= job.need
         inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
-        self.policy.on_finish(req, inst.index, now)
+        if self.notify_finish:
+            self.policy.on_finish(req, inst.index, now)
         self.emit(rec)
 
     def _fail(self, inst: _Inst, job: _Job, error: str) -> None:
