@@ -68,7 +68,8 @@ def test_unknown_policy_lists_choices(tmp_path: Path) -> None:
     assert (
         f":{line_of(text, 'round_robbin')}: variants.fast.router.policy: unknown policy" in problem
     )
-    assert "round_robin" in problem and "cache_aware" in problem
+    assert "round_robin" in problem
+    assert "cache_aware" in problem
 
 
 def test_policy_params_are_validated(tmp_path: Path) -> None:
@@ -102,9 +103,12 @@ def test_unknown_model_gpu_metric_and_class(tmp_path: Path) -> None:
         .replace("metric: ttft_p90", "metric: ttft_p91\n  class: HUGE")
     )
     found = "\n".join(problems(tmp_path, text))
-    assert "model: unknown model preset 'llama-9'" in found and "qwen3-8b" in found
-    assert "cluster.instances.0.gpu: unknown GPU preset 'H999'" in found and "H200" in found
-    assert "verdict.metric: unknown metric 'ttft_p91'" in found and "ttft_p90" in found
+    assert "model: unknown model preset 'llama-9'" in found
+    assert "qwen3-8b" in found
+    assert "cluster.instances.0.gpu: unknown GPU preset 'H999'" in found
+    assert "H200" in found
+    assert "verdict.metric: unknown metric 'ttft_p91'" in found
+    assert "ttft_p90" in found
     assert "verdict.class: unknown class 'HUGE'; choose one of: LONG, SHORT" in found
 
 
@@ -113,14 +117,16 @@ def test_variant_sim_override_is_validated(tmp_path: Path) -> None:
         "router: {policy: round_robin}", "router: {policy: round_robin}\n    sim: {mfu: 7}"
     )
     (problem,) = problems(tmp_path, text)
-    assert "variants.fast.sim.mfu:" in problem and "less than or equal to 1" in problem
+    assert "variants.fast.sim.mfu:" in problem
+    assert "less than or equal to 1" in problem
     assert f":{line_of(text, 'mfu: 7')}:" in problem
 
 
 def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:
     text = HYPOTHESIS.replace("claim: fast is faster than base", "claim: [unclosed")
     (problem,) = problems(tmp_path, text)
-    assert problem.startswith(f"{tmp_path / 'h.yaml'}:") and "YAML syntax error" in problem
+    assert problem.startswith(f"{tmp_path / 'h.yaml'}:")
+    assert "YAML syntax error" in problem
 
 
 def test_overrides_apply_before_validation(tmp_path: Path) -> None:

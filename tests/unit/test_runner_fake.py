@@ -149,7 +149,8 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
     assert {r["status"] for r in manifest["runs"]} == {"ok"}
     assert manifest["versions"]["btb-lab"]
     records = pd.read_parquet(run_dir / "requests.parquet")
-    assert len(records) == 240 and set(records["variant"]) == {"base", "fast"}
+    assert len(records) == 240
+    assert set(records["variant"]) == {"base", "fast"}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["verdict"]["word"] == "VALIDATED"
     assert summary["variants"]["fast"]["all"]["n"] == 120
@@ -190,7 +191,9 @@ def test_variants_filter_keeps_baseline(tmp_path: Path, fake_effects) -> None:
 def test_dry_run_plans_without_writing(tmp_path: Path, fake_effects) -> None:
     outcome = run_fake(tmp_path, dry_run=True, repeats=3, requests=50)
     text = "\n".join(outcome.plan.describe())
-    assert "repeats: 3" in text and "50 requests" in text and "runs: 6" in text
+    assert "repeats: 3" in text
+    assert "50 requests" in text
+    assert "runs: 6" in text
     assert not (tmp_path / "run").exists()
     assert SEEN == []
 
@@ -201,9 +204,11 @@ def test_interrupt_keeps_finished_records(tmp_path: Path, fake_effects) -> None:
         run_fake(tmp_path)
     run_dir = info.value.run_dir
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["complete"] is False and manifest["interrupted"] is True
+    assert manifest["complete"] is False
+    assert manifest["interrupted"] is True
     records = pd.read_parquet(run_dir / "requests.parquet")
     assert (records["variant"] == "base").sum() == 120
     assert (records["variant"] == "fast").sum() == 40  # every record written before Ctrl-C
     report = (run_dir / "report.md").read_text()
-    assert "INCOMPLETE RUN" in report and "**INCONCLUSIVE**" in report
+    assert "INCOMPLETE RUN" in report
+    assert "**INCONCLUSIVE**" in report

@@ -48,7 +48,8 @@ def test_clear_win_is_validated_with_numbers() -> None:
     assert v.reason.startswith("TTFT90 -")
     assert "beyond the 5% minimum effect" in v.reason
     primary = v.variants["new"].primary
-    assert primary.ci_high < -0.05 and primary.ci_low < primary.change < primary.ci_high
+    assert primary.ci_high < -0.05
+    assert primary.ci_low < primary.change < primary.ci_high
 
 
 def test_no_change_is_rejected_within_noise() -> None:
@@ -79,14 +80,16 @@ def test_guard_failure_is_partial() -> None:
     assert v.word == "PARTIALLY VALIDATED"
     assert "OK rate worse by 10.0 pt (limit 1.0 pt)" in v.reason
     guard = v.variants["new"].guards[0]
-    assert not guard.holds and abs(guard.worse_by - 0.1) < 1e-9
+    assert not guard.holds
+    assert abs(guard.worse_by - 0.1) < 1e-9
 
 
 def test_guard_holding_keeps_validated() -> None:
     rule = VerdictRule(metric="ttft_p90", min_effect=0.05,
                        guards=[{"metric": "ok_rate", "max_worse": 0.01}])  # fmt: skip
     v = judge(records("base", 1.0, seed=1) + records("new", 0.6, seed=2), rule)
-    assert v.word == "VALIDATED" and "guards hold" in v.reason
+    assert v.word == "VALIDATED"
+    assert "guards hold" in v.reason
 
 
 def test_too_few_requests_is_inconclusive() -> None:
@@ -99,7 +102,8 @@ def test_failed_run_is_inconclusive() -> None:
     frame = derive_timings(pd.DataFrame(records("base", 1.0) + records("new", 0.5, seed=3)))
     v = evaluate_verdict(frame, EMPTY_UTIL, VerdictRule(metric="ttft_p90"), baseline="base",
                          variants=["base", "new"], seed=0, failed=["new"])  # fmt: skip
-    assert v.word == "INCONCLUSIVE" and "failed" in v.reason
+    assert v.word == "INCONCLUSIVE"
+    assert "failed" in v.reason
 
 
 def test_small_effect_is_rejected_as_below_minimum() -> None:
@@ -119,7 +123,8 @@ def test_per_class_reversal_is_partial() -> None:
     rule = VerdictRule(metric="ttft_p50", min_effect=0.05, per_class=["A", "B"])
     v = judge(base + new, rule)
     assert v.word == "PARTIALLY VALIDATED"
-    assert "reverses for" in v.reason and "B" in v.reason
+    assert "reverses for" in v.reason
+    assert "B" in v.reason
 
 
 def test_repeats_are_resampled_and_reproducible() -> None:
@@ -132,7 +137,8 @@ def test_repeats_are_resampled_and_reproducible() -> None:
 def test_strongest_variant_decides() -> None:
     rows = records("base", 1.0, seed=1) + records("same", 1.0, seed=2) + records("new", 0.5, seed=3)
     v = judge(rows, variants=("base", "same", "new"))
-    assert v.word == "VALIDATED" and "(new vs base)" in v.reason
+    assert v.word == "VALIDATED"
+    assert "(new vs base)" in v.reason
     assert v.variants["same"].word == "REJECTED"
 
 
