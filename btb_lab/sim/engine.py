@@ -10,6 +10,7 @@ rather than token by token. The simulated clock is the only clock.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from collections import OrderedDict, deque
@@ -298,6 +299,17 @@ class Engine:
         """Replay `requests` (sorted by arrival, ties by position); `emit` gets each
         record as its request finishes."""
         self.emit = emit
+        # The run allocates millions of small acyclic objects; the cyclic collector would
+        # rescan them over and over (about a third of the run time) for nothing.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(requests)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self, requests: Sequence[Request]) -> EngineResult:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         heap = self.heap
         pop = heapq.heappop
