@@ -36,11 +36,11 @@ fmt: $(STAMP) ## Format the code
 	$(VENV)/bin/ruff format btb_lab tests
 	$(VENV)/bin/ruff check --fix btb_lab tests
 
-lint: $(STAMP)
+lint: $(STAMP) ## ruff format check and ruff lint
 	$(VENV)/bin/ruff format --check btb_lab tests
 	$(VENV)/bin/ruff check btb_lab tests
 
-typecheck: $(STAMP)
+typecheck: $(STAMP) ## mypy on the package
 	$(VENV)/bin/mypy btb_lab
 
 check: lint typecheck test ## ruff format check, ruff, mypy and the tests

@@ -26,6 +26,7 @@ __all__ = [
     "JsonlRecordSink",
     "finalize_parquet",
     "new_run_dir",
+    "new_run_id",
     "read_manifest",
     "read_records",
     "read_utilization",
@@ -45,20 +46,27 @@ _FLOAT_COLUMNS = (
 _INT_COLUMNS = ("repeat", "input_tokens", "output_tokens", "cached_tokens", "turn")
 
 
-def new_run_dir(results_root: Path, hypothesis_id: str, *, out: Path | None = None) -> Path:
-    """Create `results/<id>/<UTC time>-<short id>/` (or `out`, which must be empty)."""
+def new_run_id() -> str:
+    """`<UTC time>-<short id>`: sorts by start time, unique across concurrent runs."""
+    return f"{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
+
+
+def new_run_dir(
+    results_root: Path, hypothesis_id: str, *, out: Path | None = None, run_id: str | None = None
+) -> Path:
+    """Create `results/<id>/<run id>/` (or `out`, which must be empty)."""
     if out is not None:
         if out.exists() and any(out.iterdir()):
             raise UserError(f"--out {out} exists and is not empty")
         out.mkdir(parents=True, exist_ok=True)
         return out
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     while True:
-        run_dir = results_root / hypothesis_id / f"{stamp}-{secrets.token_hex(3)}"
+        run_dir = results_root / hypothesis_id / (run_id or new_run_id())
         try:
             run_dir.mkdir(parents=True)
             return run_dir
         except FileExistsError:
+            run_id = None
             continue
 
 

@@ -33,6 +33,7 @@ from btb_lab.results import (
     JsonlRecordSink,
     finalize_parquet,
     new_run_dir,
+    new_run_id,
     write_manifest,
     write_utilization_part,
 )
@@ -265,16 +266,14 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     """Plan, run every variant × repeat, store, analyze, judge and render."""
     plan = plan_run(path, options)
     if options.dry_run:
+        if plan.requests_per_run is None:
+            seed = derive_seed(plan.seed, "workload", 0)
+            plan.requests_per_run = len(_load_requests(plan.loaded, seed))
         return RunOutcome(run_dir=Path(), verdict=None, summary={}, plan=plan)
     hyp, loaded = plan.hypothesis, plan.loaded
     backend = get_backend(plan.backend)
-    run_dir = new_run_dir(options.results_root, hyp.id, out=options.out)
-    run_id = (
-        f"{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%SZ')}-"
-        + hashlib.blake2b(
-            f"{run_dir.resolve()}|{time.time_ns()}".encode(), digest_size=3
-        ).hexdigest()
-    )
+    run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
+    run_id = run_dir.name if options.out is None else new_run_id()
     manifest: dict[str, Any] = {
         "run_id": run_id,
         "run_dir": str(run_dir),

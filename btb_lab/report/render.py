@@ -162,7 +162,12 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
     hyp = run.hypothesis
     manifest = run.manifest
     summary = run.summary
-    requests_per_run = manifest.get("requests_per_run")
+    counts = sorted({int(r["requests"]) for r in manifest.get("runs", []) if "requests" in r})
+    requests_per_run: Any = manifest.get("requests_per_run")
+    if len(counts) > 1:
+        requests_per_run = f"{counts[0]}–{counts[-1]}"
+    elif counts:
+        requests_per_run = counts[0]
     fidelity = _shown_fidelity(summary["fidelity"])
     per_variant_fidelity = {
         name: shown
