@@ -363,8 +363,19 @@ def _semantic_problems(
             else:
                 add(("workload",), text)
 
-    # verdict metrics and classes
+    # class rules: numbers for numeric fields, equality only for text fields
+    from btb_lab.analysis.classes import NUMERIC_FIELDS
     from btb_lab.analysis.metrics import METRIC_NAMES, REQUEST_METRIC_NAMES
+
+    for i, class_rule in enumerate(hyp.classes):
+        for j, cond in enumerate(class_rule.when):
+            where: PathKey = ("classes", i, "when", j)
+            if cond.field in NUMERIC_FIELDS and isinstance(cond.value, str):
+                add((*where, "value"), f"{cond.field} compares with a number, got {cond.value!r}")
+            elif cond.field not in NUMERIC_FIELDS and cond.op not in ("==", "!="):
+                add((*where, "op"), f"{cond.field} is text: use '==' or '!=' (got {cond.op!r})")
+
+    # verdict metrics and classes
 
     class_names = [rule.name for rule in hyp.classes]
     rule = hyp.verdict

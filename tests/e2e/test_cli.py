@@ -131,3 +131,19 @@ def test_run_bad_flags_exit_2(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "--variants: unknown nope" in result.output
     assert invoke("run", str(hyp), "--time-scale", "0", "--dry-run").exit_code == 2
+
+
+def test_ctrl_c_exits_130_and_report_renders(tmp_path: Path, fake_effects) -> None:
+    from tests.unit.test_runner_fake import INTERRUPT
+
+    hyp = tmp_path / "ht.yaml"
+    hyp.write_text(HYPOTHESIS)
+    INTERRUPT["fast"] = 10
+    out = tmp_path / "run"
+    result = invoke("run", str(hyp), "--backend", "fake", "--no-progress", "--out", str(out))
+    assert result.exit_code == 130
+    assert "interrupted: finished records kept" in result.output
+    again = invoke("report", str(out))
+    assert again.exit_code == 0, again.output
+    assert "INCONCLUSIVE" in again.output
+    assert "INCOMPLETE RUN" in (out / "report.md").read_text()

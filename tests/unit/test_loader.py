@@ -157,3 +157,16 @@ def test_resolve_variant_merges_sim_overrides(tmp_path: Path) -> None:
     hyp = load_text(tmp_path, text).hypothesis
     assert resolve_variant(hyp, "fast").sim.mfu == 0.3
     assert resolve_variant(hyp, "base").sim.mfu == hyp.sim.mfu == 0.5
+
+
+def test_class_rule_values_are_checked(tmp_path: Path) -> None:
+    text = HYPOTHESIS.replace('{field: input_tokens, op: ">=", value: 4000}',
+                              '{field: input_tokens, op: ">=", value: lots}')  # fmt: skip
+    (problem,) = problems(tmp_path, text)
+    assert (
+        f":{line_of(text, 'value: lots')}: classes.0.when.0.value: input_tokens compares" in problem
+    )
+    text = HYPOTHESIS.replace('{field: input_tokens, op: ">=", value: 4000}',
+                              '{field: route, op: ">", value: PS}')  # fmt: skip
+    (problem,) = problems(tmp_path, text)
+    assert "classes.0.when.0.op: route is text: use '==' or '!='" in problem
