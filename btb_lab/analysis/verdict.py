@@ -233,6 +233,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x * 100:+.1f}%"
 
 
+def _num(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.4g}"
+
+
 def _fmt_change(metric: str, cmp: Comparison) -> str:
     label = metric_label(metric)
     if cmp.scope != "all":
@@ -354,7 +358,16 @@ def _variant_verdict(
     text = f"{_fmt_change(rule.metric, primary)} {tag}"
     effect = f"{rule.min_effect * 100:g}%"
     if primary.outcome == "undefined":
-        return VariantVerdict(variant, INCONCLUSIVE, f"{text}: the metric is undefined", primary)
+        label = metric_label(rule.metric) + (f" ({rule.klass})" if rule.klass else "")
+        values = f"{_num(primary.baseline)} for {baseline}, {_num(primary.value)} for {variant}"
+        why = (
+            "an instance with zero mean utilization makes max/min infinite"
+            if rule.metric == "gpu_imbalance"
+            else "no usable samples or a zero baseline"
+        )
+        return VariantVerdict(
+            variant, INCONCLUSIVE, f"{label} undefined {tag}: {values} ({why})", primary
+        )
     guards = [_guard(records, util, g, baseline, variant) for g in rule.guards]
     per_class = [
         _compare(records, util, rule, baseline, variant, rule.metric, c, seed)

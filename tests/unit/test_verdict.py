@@ -153,3 +153,17 @@ def test_gpu_metric_from_utilization_samples() -> None:
                          variants=["base", "new"], seed=0)  # fmt: skip
     assert v.word == "VALIDATED"
     assert v.reason.startswith("GPU imbalance -")
+
+
+def test_undefined_gpu_imbalance_is_inconclusive_with_reason() -> None:
+    util = pd.DataFrame([
+        {"variant": var, "repeat": 0, "time_s": float(t), "instance": f"C{k}", "device": "sim",
+         "utilization": 0.0 if k == 1 else 0.5}
+        for var in ("base", "new") for t in range(10) for k in range(2)
+    ])  # fmt: skip
+    frame = derive_timings(pd.DataFrame(records("base", 1.0) + records("new", 1.0, seed=5)))
+    v = evaluate_verdict(frame, util, VerdictRule(metric="gpu_imbalance"), baseline="base",
+                         variants=["base", "new"], seed=0)  # fmt: skip
+    assert v.word == "INCONCLUSIVE"
+    assert "GPU imbalance undefined (new vs base): n/a for base, n/a for new" in v.reason
+    assert "zero mean utilization" in v.reason
