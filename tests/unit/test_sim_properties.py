@@ -71,7 +71,7 @@ def build(rows: list[tuple[float, int, int, int]]) -> list[Request]:
     t = 0.0
     for i, (gap, fam, nb, out) in enumerate(rows):
         t += gap * gap  # many near-simultaneous arrivals
-        hashes = tuple(fam * 100 + j for j in range(nb - 1)) + (10_000 + i,)
+        hashes = (*tuple(fam * 100 + j for j in range(nb - 1)), 10000 + i)
         reqs.append(Request(f"r{i}", t, nb * BT - 7, out, hashes, BT))
     return reqs
 
@@ -114,7 +114,8 @@ def test_engine_invariants(
     by_id = {r.request_id: r for r in reqs}
     for rec in recs:
         assert rec.ok, rec.error
-        assert rec.first_token_s is not None and rec.finish_s is not None
+        assert rec.first_token_s is not None
+        assert rec.finish_s is not None
         assert rec.arrival_s <= rec.first_token_s <= rec.finish_s
         prefill_inst = insts[int((rec.prefill_instance or rec.instance)[1:])]
         floor = prefill_s(
@@ -122,7 +123,9 @@ def test_engine_invariants(
         )
         assert rec.first_token_s - rec.arrival_s >= floor - 1e-9
         assert rec.prefill_s >= floor - 1e-9
-        assert rec.queue_s >= -1e-9 and rec.kv_transfer_s >= 0 and rec.decode_s >= 0
+        assert rec.queue_s >= -1e-9
+        assert rec.kv_transfer_s >= 0
+        assert rec.decode_s >= 0
         assert 0 <= rec.cached_tokens <= rec.input_tokens
     for entry in engine.warm_log:
         assert entry.start_s >= entry.decided_s
