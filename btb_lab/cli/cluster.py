@@ -2,9 +2,107 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
 
 __all__ = ["model_app", "router_app"]
 
-router_app = typer.Typer(help="The in-process router as an OpenAI-compatible proxy.", no_args_is_help=True)
+router_app = typer.Typer(
+    help="The in-process router as an OpenAI-compatible proxy.", no_args_is_help=True
+)
 model_app = typer.Typer(help="Local test models.", no_args_is_help=True)
+
+
+@router_app.command("serve")
+def serve(
+    hypothesis: Path = typer.Option(..., "--hypothesis", help="Hypothesis YAML file."),
+    variant: str = typer.Option(..., "--variant", help="Variant whose policy routes."),
+    port: int = typer.Option(8000, "--port", help="Port of the proxy."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the proxy binds to."),
+) -> None:
+    """Launch (or attach to) the hypothesis's instances and serve the variant's router
+    on /v1/completions until Ctrl-C; instances stop on exit."""
+    import uvicorn
+
+    from btb_lab.cluster.backend import (
+        build_costs,
+        make_client,
+        resolve_served_model,
+    )
+    from btb_lab.cluster.launcher import Launcher, plan_endpoints, plan_instances, sigterm_raises
+    from btb_lab.cluster.proxy import build_proxy_app, make_router
+    from btb_lab.errors import UserError
+    from btb_lab.hypothesis.loader import load_hypothesis, resolve_variant
+    from btb_lab.policies import build_policy
+
+    loaded = load_hypothesis(hypothesis)
+    if variant not in loaded.hypothesis.variants:
+        names = ", ".join(loaded.hypothesis.variants)
+        raise UserError(f"{hypothesis}: no variant {variant!r}; variants: {names}")
+    hyp = resolve_variant(loaded.hypothesis, variant)
+    launch = hyp.cluster.launch
+    model = resolve_served_model(hyp)
+    spec = hyp.variants[variant].router
+    policy = build_policy(spec.policy, spec.params, seed=hyp.seed)
+    with (
+        sigterm_raises(),
+        Launcher(
+            Path("results") / "router-serve" / "instances",
+            ready_timeout_s=launch.ready_timeout_s,
+            stop_grace_s=launch.stop_grace_s,
+        ) as launcher,
+    ):
+        if launch.endpoints:
+            endpoints = plan_endpoints(hyp.cluster)
+        else:
+            endpoints = launcher.start(plan_instances(hyp.cluster, model=model))
+        client = make_client(
+            request_timeout_s=launch.request_timeout_s,
+            connect_timeout_s=launch.connect_timeout_s,
+            max_connections=launch.max_connections,
+        )
+        router = make_router(endpoints, policy, build_costs(hyp), client=client, model=model)
+        app = build_proxy_app(router, block_tokens=hyp.workload.block_tokens)
+        for ep in endpoints:
+            typer.echo(f"{ep.name} ({ep.role}) {ep.base_url}")
+        typer.echo(f"router ({spec.policy}) on http://{host}:{port}/v1/completions")
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@router_app.command("bench")
+def bench(
+    requests: int = typer.Option(3000, "--requests", help="Requests to send."),
+    rate: float = typer.Option(600.0, "--rate", help="Target arrival rate (requests/s)."),
+    output_tokens: int = typer.Option(4, "--output-tokens", help="Tokens per response."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Drive a local fast fake OpenAI server with short requests; report the sustained
+    rate and the driver's send lag (target ≥ 500 req/s with p99 lag < 5 ms)."""
+    from btb_lab.cluster.bench import run_bench
+
+    result = run_bench(requests=requests, rate_rps=rate, output_tokens=output_tokens)
+    if as_json:
+        typer.echo(json.dumps(result.as_dict()))
+        return
+    typer.echo(
+        f"load driver ({result.loop}): {result.requests} requests at {result.target_rate_rps:g}/s "
+        f"target → sustained {result.sustained_rps:.1f} req/s, ok {result.ok}; send lag "
+        f"p50 {result.lag_p50_ms:.2f} ms, p99 {result.lag_p99_ms:.2f} ms, "
+        f"max {result.lag_max_ms:.2f} ms"
+    )
+
+
+@model_app.command("make-tiny")
+def make_tiny(
+    out_dir: Path = typer.Argument(..., help="Folder to write the model into."),
+    vocab_size: int = typer.Option(1024, "--vocab-size", help="Tokenizer vocabulary size."),
+    seed: int = typer.Option(0, "--seed", help="Seed of weights and tokenizer corpus."),
+) -> None:
+    """Write a tiny random-weight Llama (hidden 256, 4 heads, 2 KV heads, 2 layers) and a
+    byte-level BPE tokenizer, made locally without downloads."""
+    from btb_lab.cluster.tiny_model import make_tiny_llama
+
+    path = make_tiny_llama(out_dir, vocab_size=vocab_size, seed=seed)
+    typer.echo(str(path))

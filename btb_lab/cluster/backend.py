@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from btb_lab.backends import BACKENDS, BackendResult, RunContext
-from btb_lab.cluster.driver import LoadDriver, RunClock
+from btb_lab.cluster.driver import ClientPool, LoadDriver, RunClock, event_loop_name, run_async
 from btb_lab.cluster.launcher import (
     Endpoint,
     Launcher,
@@ -42,8 +42,6 @@ from btb_lab.policies.base import CostModel
 from btb_lab.records import Request
 
 if TYPE_CHECKING:
-    import httpx
-
     from btb_lab.hypothesis.schema import ClusterSpec, Hypothesis
 
 __all__ = [
@@ -116,16 +114,21 @@ def build_costs(hypothesis: Hypothesis) -> CostModel:
 
 def make_client(
     *, request_timeout_s: float, connect_timeout_s: float, max_connections: int
-) -> httpx.AsyncClient:
-    """One pooled HTTP/1.1 client for every instance; the read timeout bounds the gap
+) -> ClientPool:
+    """Pooled HTTP/1.1 clients for every instance; the read timeout bounds the gap
     between streamed chunks, which is how a stalled server shows up."""
+    import ssl
+
     import httpx
 
     timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s, pool=request_timeout_s)
-    limits = httpx.Limits(
-        max_connections=max_connections, max_keepalive_connections=max_connections
-    )
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    tls = ssl.create_default_context()  # loaded once, shared by every shard
+
+    def factory(connections: int) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, verify=tls)
+
+    return ClientPool(factory, max_connections=max_connections)
 
 
 def _vllm_version() -> str | None:
@@ -202,7 +205,7 @@ class ClusterBackend:
         with sigterm_raises():
             try:
                 endpoints, mode = self._instances(ctx, model)
-                result = asyncio.run(self._drive(ctx, requests, endpoints, model))
+                result = run_async(self._drive(ctx, requests, endpoints, model))
             except BaseException:
                 self.close()
                 raise
@@ -277,6 +280,7 @@ class ClusterBackend:
             "kv_visibility": "after_prefill",
             "request_timeout_s": launch.request_timeout_s,
             "prompt_vocab_size": vocab,
+            "driver_loop": event_loop_name(),
             "driver_lag_p50_ms": round(stats.lag_p50_ms, 3),
             "driver_lag_p99_ms": round(stats.lag_p99_ms, 3),
         }
@@ -300,7 +304,7 @@ class ClusterBackend:
 
 
 async def _scrape_periodically(
-    client: httpx.AsyncClient,
+    client: ClientPool,
     endpoints: list[Endpoint],
     clock: RunClock,
     interval_s: float,

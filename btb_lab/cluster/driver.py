@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from btb_lab.records import Request, RequestRecord
 
@@ -22,15 +22,46 @@ if TYPE_CHECKING:
     from btb_lab.backends import RecordSink
 
 __all__ = [
+    "ClientPool",
     "DriverStats",
     "LoadDriver",
     "RunClock",
     "StreamResult",
     "completion_payload",
     "error_name",
+    "event_loop_name",
     "lag_percentiles_ms",
+    "run_async",
     "stream_completion",
 ]
+
+
+def event_loop_name() -> str:
+    """uvloop when installed (it comes with vLLM), else asyncio's own loop."""
+    import importlib.util
+
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
+T = TypeVar("T")
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run the driver's coroutine on the fastest available loop. Objects alive before
+    the run are frozen out of the cyclic GC so its pauses do not show up as send lag."""
+    import gc
+
+    factory = None
+    if event_loop_name() == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    gc.freeze()
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(main)
+    finally:
+        gc.unfreeze()
 
 
 class RunClock:
@@ -47,6 +78,59 @@ class RunClock:
 
     def now(self) -> float:
         return self.base_s + (time.perf_counter() - self._t0)
+
+
+class ClientPool:
+    """Several small httpx clients used as one. httpcore scans its whole connection pool
+    on every request, so one client with a thousand connections costs O(n²); shards of
+    `per_shard` connections, each request on the least busy shard, keep it O(n)."""
+
+    def __init__(
+        self,
+        factory: Callable[[int], httpx.AsyncClient],
+        *,
+        max_connections: int,
+        per_shard: int = 16,
+    ) -> None:
+        shards = max(1, -(-max_connections // per_shard))
+        self.clients = [factory(min(per_shard, max_connections)) for _ in range(shards)]
+        self.busy = [0] * shards
+
+    def lease(self) -> int:
+        """Index of the least busy shard, marked busy until `release`."""
+        busy = self.busy
+        idx = busy.index(min(busy))
+        busy[idx] += 1
+        return idx
+
+    def release(self, idx: int) -> None:
+        self.busy[idx] -= 1
+
+    async def get(self, url: str) -> httpx.Response:
+        idx = self.lease()
+        try:
+            return await self.clients[idx].get(url)
+        finally:
+            self.release(idx)
+
+    async def stream_completion(
+        self, url: str, payload: dict[str, Any], clock: RunClock
+    ) -> StreamResult:
+        idx = self.lease()
+        try:
+            return await stream_completion(self.clients[idx], url, payload, clock)
+        finally:
+            self.release(idx)
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()
+
+    async def __aenter__(self) -> ClientPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def completion_payload(
@@ -145,7 +229,7 @@ async def stream_completion(
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    continue  # read to the end so the connection returns to the pool
                 now = clock.now()
                 chunk = json.loads(data)
                 if chunk.get("choices"):

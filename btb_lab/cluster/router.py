@@ -11,20 +11,12 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from btb_lab.cluster.driver import (
-    RunClock,
-    StreamResult,
-    completion_payload,
-    stream_completion,
-)
+from btb_lab.cluster.driver import ClientPool, RunClock, StreamResult, completion_payload
 from btb_lab.cluster.launcher import Endpoint
 from btb_lab.policies.base import CostModel, Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
-
-if TYPE_CHECKING:
-    import httpx
 
 __all__ = ["BlockLRU", "Router", "RouterState", "RoutingStats"]
 
@@ -167,7 +159,7 @@ class Router:
         policy: Policy,
         costs: CostModel,
         *,
-        client: httpx.AsyncClient,
+        client: ClientPool,
         clock: RunClock,
         model: str,
         prompt_fn: PromptFn,
@@ -216,7 +208,7 @@ class Router:
         self.stats.per_instance[name] = self.stats.per_instance.get(name, 0) + 1
         prompt = self.prompt_fn(request)
         for action in decision.warm:
-            self._start_warm(action, request, prompt)
+            self.start_warm(action, request, prompt)
         offload = (
             decision.prefill_instance is not None and decision.prefill_instance != decision.instance
         )
@@ -238,7 +230,7 @@ class Router:
         self.state.begin(inst, tokens, blocks)
         try:
             payload = completion_payload(self.model, prompt, request.output_tokens)
-            res = await stream_completion(self.client, self._url(inst), payload, self.clock)
+            res = await self.client.stream_completion(self._url(inst), payload, self.clock)
         finally:
             self.state.end(inst, tokens)
         if res.first_token_s is not None:
@@ -280,9 +272,9 @@ class Router:
                 },
             )  # fmt: skip
             prefill_task = asyncio.create_task(
-                stream_completion(self.client, self._url(p), prefill_body, self.clock)
+                self.client.stream_completion(self._url(p), prefill_body, self.clock)
             )
-            decode = await stream_completion(self.client, self._url(d), decode_body, self.clock)
+            decode = await self.client.stream_completion(self._url(d), decode_body, self.clock)
             prefill = await prefill_task
         finally:
             self.state.end(p, request.input_tokens)
@@ -337,7 +329,7 @@ class Router:
         )
 
     # warming ----------------------------------------------------------------------------
-    def _start_warm(self, action: WarmAction, request: Request, prompt: list[int]) -> None:
+    def start_warm(self, action: WarmAction, request: Request, prompt: list[int]) -> None:
         n = min(action.n_blocks, len(request.block_hashes))
         tokens = prompt[: n * request.block_tokens]
         if n <= 0 or not tokens:
@@ -378,7 +370,7 @@ class Router:
                 ok = await self._warm_transfer(action.source, target, tokens, request)
             else:  # speculative prefill: compute the prefix on the target itself
                 body = completion_payload(self.model, tokens, 1, stream=False)
-                res = await stream_completion(self.client, self._url(target), body, self.clock)
+                res = await self.client.stream_completion(self._url(target), body, self.clock)
                 ok = res.ok
         finally:
             self.state.end(target, len(tokens))
@@ -415,9 +407,9 @@ class Router:
             },
         )  # fmt: skip
         src_task = asyncio.create_task(
-            stream_completion(self.client, self._url(source), src_body, self.clock)
+            self.client.stream_completion(self._url(source), src_body, self.clock)
         )
-        dst = await stream_completion(self.client, self._url(target), dst_body, self.clock)
+        dst = await self.client.stream_completion(self._url(target), dst_body, self.clock)
         src = await src_task
         return src.ok and dst.ok
 

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 from btb_lab.records import UtilSample
 
 if TYPE_CHECKING:
-    import httpx
-
+    from btb_lab.cluster.driver import ClientPool
     from btb_lab.cluster.launcher import Endpoint
 
 __all__ = [
@@ -96,7 +95,7 @@ def cache_hit_rates(delta: Mapping[str, Mapping[str, Any]]) -> dict[str, float |
 
 
 async def scrape_all(
-    client: httpx.AsyncClient, endpoints: Sequence[Endpoint]
+    client: ClientPool, endpoints: Sequence[Endpoint]
 ) -> dict[str, dict[str, Any]]:
     """Scrape and parse every instance's /metrics; an unreachable one maps to {"error"}."""
     import asyncio
