@@ -169,14 +169,16 @@ def plan_instances(
     launch = cluster.launch
     used: set[int] = set()
     specs = []
-    next_gpu = launch.first_gpu
+    next_gpu = 0 if launch.gpu_pool else launch.first_gpu
     for index, (name, role, gpus) in enumerate(_instance_names(cluster)):
         port = ports[index] if ports is not None else free_port(launch.host, avoid=used)
         used.add(port)
         env: dict[str, str] = {}
         gpu_ids: tuple[int, ...] = ()
         if launch.device == "gpu":
-            gpu_ids = tuple(range(next_gpu, next_gpu + gpus))
+            slots = range(next_gpu, next_gpu + gpus)
+            pool = launch.gpu_pool
+            gpu_ids = tuple(pool[s % len(pool)] for s in slots) if pool else tuple(slots)
             next_gpu += gpus
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
         kv_config = None

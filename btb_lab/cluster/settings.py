@@ -41,6 +41,12 @@ class LaunchSettings(StrictModel):
         "cpu: instances run on vLLM's CPU build (no GPU assignment, no NVML).",
     )
     first_gpu: int = Field(0, ge=0, description="First GPU index handed out to instances.")
+    gpu_pool: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="GPU indices handed out in order instead of first_gpu, 1, 2, …; the list "
+        "wraps around, so instances may share a GPU (lower --gpu-memory-utilization then).",
+    )
     stop_grace_s: float = Field(
         15.0, gt=0, description="After SIGTERM, wait this long before SIGKILL on teardown."
     )

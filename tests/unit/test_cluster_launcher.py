@@ -94,6 +94,13 @@ def test_plan_assigns_gpus_ports_and_module_entry_point() -> None:
     assert "--kv-transfer-config" not in cmd
 
 
+def test_gpu_pool_wraps_so_instances_share_gpus() -> None:
+    specs = plan_instances(cluster(gpu_pool=[3]), model="m")
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["3,3", "3,3", "3"]
+    specs = plan_instances(cluster(gpu_pool=[0, 1, 2]), model="m")
+    assert [s.gpus for s in specs] == [(0, 1), (2, 0), (1,)]
+
+
 def test_plan_mooncake_config_and_distinct_bootstrap_ports() -> None:
     spec = cluster()
     spec.kv_connector = spec.kv_connector.model_validate({"type": "mooncake", "protocol": "tcp"})
