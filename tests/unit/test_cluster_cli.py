@@ -1,0 +1,66 @@
+"""`btb-lab router` / `btb-lab model` command surface and the backend's user errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from btb_lab.cli import app
+from btb_lab.cluster.backend import resolve_served_model, resolve_vocab_size
+from btb_lab.errors import UserError
+from btb_lab.hypothesis.schema import Hypothesis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def hyp(launch: dict[str, object], model: object = "llama-3.3-70b") -> Hypothesis:
+    return Hypothesis.model_validate(
+        {
+            "id": "x", "title": "t", "claim": "c", "backend": "cluster", "model": model,
+            "cluster": {"launch": launch},
+            "workload": {"generator": {"kind": "poisson"}},
+            "variants": {"a": {"router": {"policy": "least_load"}}},
+            "baseline": "a", "verdict": {"metric": "ttft_p50"},
+        }
+    )  # fmt: skip
+
+
+def test_help_lists_the_commands() -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["router", "--help"])
+    assert result.exit_code == 0
+    assert "serve" in result.output
+    assert "bench" in result.output
+    result = runner.invoke(app, ["model", "make-tiny", "--help"])
+    assert result.exit_code == 0
+    assert "tiny random-weight Llama" in result.output
+
+
+def test_serve_unknown_variant_is_a_user_error() -> None:
+    result = CliRunner().invoke(
+        app,
+        ["router", "serve", "--hypothesis", str(ROOT / "hypotheses" / "cpu-smoke.yaml"),
+         "--variant", "nope"],
+    )  # fmt: skip
+    assert isinstance(result.exception, UserError)
+    assert "no variant 'nope'" in str(result.exception)
+    assert "least_load, cache_aware" in str(result.exception)
+
+
+def test_served_model_required_and_env_expanded(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UserError, match=r"cluster\.launch\.served_model: required"):
+        resolve_served_model(hyp({}))
+    monkeypatch.setenv("BTB_TEST_MODEL", "org/small-model")
+    assert resolve_served_model(hyp({"served_model": "${BTB_TEST_MODEL}"})) == "org/small-model"
+    monkeypatch.delenv("BTB_TEST_MODEL")
+    with pytest.raises(UserError, match="unset variable"):
+        resolve_served_model(hyp({"served_model": "${BTB_TEST_MODEL}"}))
+
+
+def test_vocab_size_from_local_model_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"vocab_size": 777}')
+    assert resolve_vocab_size(hyp({}), str(tmp_path)) == 777
+    assert resolve_vocab_size(hyp({"vocab_size": 99}), str(tmp_path)) == 99
+    assert resolve_vocab_size(hyp({}), "org/remote") == 32_000
