@@ -174,6 +174,7 @@ class StreamResult:
     error: str | None = None
     status: int | None = None
     body: dict[str, Any] = field(default_factory=dict)  # non-streaming response JSON
+    retried: bool = False  # a stale keep-alive connection was replaced once
 
 
 def error_name(exc: BaseException) -> str:
@@ -202,10 +203,31 @@ async def stream_completion(
     clock: RunClock,
 ) -> StreamResult:
     """POST one completion and stamp it. Never raises for transport or HTTP problems:
-    they come back as `ok=False, error=<name>` (cancellation still propagates)."""
+    they come back as `ok=False, error=<name>` (cancellation still propagates). A pooled
+    keep-alive connection the server closed just before reuse is retried once: no
+    response arrived, so the server never took the request."""
+
+    sent_s = clock.now()
+    result = await _stream_once(client, url, payload, clock, sent_s)
+    if result.status is None and result.error in _STALE_CONNECTION_ERRORS:
+        result = await _stream_once(client, url, payload, clock, sent_s)
+        result.retried = True
+    return result
+
+
+_STALE_CONNECTION_ERRORS = frozenset({"RemoteProtocolError", "ReadError", "WriteError"})
+
+
+async def _stream_once(
+    client: httpx.AsyncClient,
+    url: str,
+    payload: dict[str, Any],
+    clock: RunClock,
+    sent_s: float,
+) -> StreamResult:
     import httpx
 
-    result = StreamResult(sent_s=clock.now())
+    result = StreamResult(sent_s=sent_s)
     try:
         if not payload.get("stream"):
             resp = await client.post(url, json=payload)

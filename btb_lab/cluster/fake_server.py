@@ -53,10 +53,11 @@ class _Transfer:
     pulled: bool = False
 
 
-def _block_keys(prompt: list[int]) -> list[str]:
-    """Chained digests of full cache blocks: block i's key covers tokens 0..(i+1)·16."""
+def _block_keys(prompt: list[int], salt: str = "") -> list[str]:
+    """Chained digests of full cache blocks: block i's key covers tokens 0..(i+1)·16
+    (and the request's cache salt, as in vLLM)."""
     keys = []
-    h = hashlib.blake2b(digest_size=8)
+    h = hashlib.blake2b(salt.encode(), digest_size=8)
     for start in range(0, len(prompt) - CACHE_BLOCK_TOKENS + 1, CACHE_BLOCK_TOKENS):
         h.update(json.dumps(prompt[start : start + CACHE_BLOCK_TOKENS]).encode())
         keys.append(h.copy().hexdigest())
@@ -158,7 +159,7 @@ class FakeVLLM:
         self.running += 1
         started = time.perf_counter()
         try:
-            keys = _block_keys(prompt)
+            keys = _block_keys(prompt, str(body.get("cache_salt") or ""))
             hit_blocks = 0
             for key in keys:
                 if key not in self.cache:

@@ -263,6 +263,10 @@ class Router:
                     "transfer_id": transfer_id,
                 },
             )  # fmt: skip
+            if decision.prefill_cold:
+                # A prefill service without the session's cache: a unique salt makes vLLM's
+                # prefix cache miss, so the prefill is computed cold as the policy modeled.
+                prefill_body["cache_salt"] = f"cold-{transfer_id}"
             decode_body = completion_payload(
                 self.model, prompt, request.output_tokens,
                 kv_transfer_params={
@@ -325,7 +329,7 @@ class Router:
                 if prefill is not None and prefill != decision.instance
                 else None
             ),
-            extra={"chunks": res.chunks},
+            extra={"chunks": res.chunks, "retried": int(res.retried)},
         )
 
     # warming ----------------------------------------------------------------------------

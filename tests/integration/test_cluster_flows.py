@@ -224,6 +224,19 @@ def test_mooncake_offload_follows_the_connector_protocol(fakes: Any) -> None:
     assert router.stats.offloads == 1
 
 
+def test_cold_prefill_offload_salts_the_prefix_cache(fakes: Any) -> None:
+    (p_app, p_ep), (_, d_ep) = fakes
+    warm = Scripted(Decision(instance=0))
+    drive([p_ep, d_ep], warm, [req(0)])  # the prompt is now cached on C0
+    cold = Scripted(Decision(instance=1, route="PS", prefill_instance=0, prefill_cold=True))
+    sink, _, _ = drive([p_ep, d_ep], cold, [req(1)], connector="mooncake")
+    assert sink.records[0].ok
+    prefill = p_app.requests[-1]
+    assert prefill["cache_salt"].startswith("cold-")
+    # C0 had the prefix, but the salted prefill could not use it
+    assert p_app.counters["prefix_cache_hits"] == 0
+
+
 def test_fake_rejects_a_decode_with_the_wrong_engine(fakes: Any) -> None:
     """The fake really checks the exchange: a wrong engine id fails the request."""
     (p_app, p_ep), (d_app, d_ep) = fakes
