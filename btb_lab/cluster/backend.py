@@ -247,6 +247,7 @@ class ClusterBackend:
                 cache_blocks=launch.router_cache_blocks, variant=ctx.variant_name,
                 repeat=ctx.repeat,
             )  # fmt: skip
+            await client.warm([ep.base_url for ep in endpoints])
             before = await scrape_all(client, endpoints)
             sampler.start()
             scraper = None

@@ -101,6 +101,7 @@ async def _drive(url: str, requests: Sequence[Request]) -> tuple[Any, CountingSi
             prompt_fn=lambda r: list(range(100, 100 + r.input_tokens)),
             variant="bench",
         )
+        await client.warm([url])
         stats = await LoadDriver(router.dispatch, sink, clock).run(requests)
     return stats, sink
 
