@@ -128,17 +128,16 @@ class ClientPool:
         finally:
             self.release(idx)
 
-    async def warm(self, base_urls: Sequence[str], per_shard: int = 4) -> None:
-        """Open keep-alive connections before the run (GET /health), so the first
-        requests do not pay TCP setup and show it as send lag. Failures are ignored."""
+    async def warm(self, base_urls: Sequence[str], shards: int = 32) -> None:
+        """Open one keep-alive connection per URL on each of the first `shards` shards
+        (the ones `lease` hands out first) before the run, so the first requests do not
+        pay TCP setup and show it as send lag. Failures are ignored."""
 
         async def one(client: httpx.AsyncClient, url: str) -> None:
             with contextlib.suppress(Exception):
                 await client.get(url + "/health")
 
-        await asyncio.gather(
-            *(one(c, u) for c in self.clients for u in base_urls for _ in range(per_shard))
-        )
+        await asyncio.gather(*(one(c, u) for c in self.clients[:shards] for u in base_urls))
 
     async def aclose(self) -> None:
         for client in self.clients:

@@ -44,7 +44,7 @@ DUMMY_SERVER = textwrap.dedent(
             self.send_response(200); self.end_headers()
         def log_message(self, *a):
             pass
-    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
     """
 )
 
