@@ -19,7 +19,7 @@ from btb_lab.records import Request
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-__all__ = ["build_proxy_app", "prompt_block_hashes"]
+__all__ = ["build_proxy_app", "make_router", "prompt_block_hashes"]
 
 
 def prompt_block_hashes(prompt: Sequence[int] | str, block_tokens: int) -> tuple[int, ...]:
