@@ -59,9 +59,9 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         factory = uvloop.new_event_loop
     thresholds = gc.get_threshold()
     gc.freeze()
-    # Fewer, larger young-generation collections: each full pass over the growing set of
-    # finished records would otherwise stall sends for tens of milliseconds.
-    gc.set_threshold(50_000, 50, 1000)
+    # Young collections stay small and frequent; full passes over the growing set of
+    # finished records (each a stall of tens of milliseconds) become rare.
+    gc.set_threshold(thresholds[0], thresholds[1], 1000)
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(main)
