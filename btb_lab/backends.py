@@ -53,6 +53,9 @@ class BackendResult:
 
 
 class Backend(Protocol):
+    """A backend may also define `close()`; the runner calls it once after the last
+    variant (or on error / Ctrl-C) so instances reused across variants are stopped."""
+
     name: str
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult: ...

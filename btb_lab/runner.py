@@ -311,6 +311,10 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        # Backends that hold resources across variants (launched servers) release them here.
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
         manifest["finished"] = _now()
         manifest["complete"] = not interrupted and len(manifest["runs"]) == manifest[
             "runs_planned"

@@ -22,6 +22,7 @@ EFFECTS: dict[str, float] = {}
 # raise KeyboardInterrupt after writing this many records of this variant
 INTERRUPT: dict[str, int] = {}
 SEEN: list[tuple[str, int, int, tuple[tuple[str, float], ...]]] = []
+CLOSED: list[str] = []  # one entry per FakeBackend.close() call
 
 
 class FakeBackend:
@@ -69,6 +70,9 @@ class FakeBackend:
         return BackendResult(
             utilization=util, fidelity={"fake.noise": "exp", "fake.factor": factor}
         )
+
+    def close(self) -> None:
+        CLOSED.append(FAKE)
 
 
 if FAKE not in BACKENDS:
@@ -123,6 +127,7 @@ def fake_effects():
     EFFECTS.clear()
     INTERRUPT.clear()
     SEEN.clear()
+    CLOSED.clear()
     yield EFFECTS
     EFFECTS.clear()
     INTERRUPT.clear()
@@ -139,6 +144,7 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
     fake_effects["fast"] = 0.5
     outcome = run_fake(tmp_path)
     run_dir = outcome.run_dir
+    assert CLOSED == [FAKE]  # the backend is closed once, after the last variant
     for name in ("manifest.json", "requests.parquet", "utilization.parquet", "summary.json",
                  "report.md", "plots/ttft_cdf.png"):  # fmt: skip
         assert (run_dir / name).is_file(), name
@@ -212,3 +218,4 @@ def test_interrupt_keeps_finished_records(tmp_path: Path, fake_effects) -> None:
     report = (run_dir / "report.md").read_text()
     assert "INCOMPLETE RUN" in report
     assert "**INCONCLUSIVE**" in report
+    assert CLOSED == [FAKE]  # resources held across variants are released on Ctrl-C too
