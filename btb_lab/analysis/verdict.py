@@ -1,11 +1,17 @@
 """The verdict engine: each variant against the baseline on the primary metric.
 
 Relative change with a bootstrap confidence interval (resampling requests, and repeats
-as well when there are two or more). VALIDATED: the interval lies beyond the minimum
-effect in the claimed direction and every guard holds. REJECTED: the interval includes
-no change, stays short of the minimum effect, or points the other way. PARTIALLY
-VALIDATED: the claim holds but a guard fails, or it holds for some declared classes and
-reverses for others. INCONCLUSIVE: too few successful requests or failed runs.
+as well when there are two or more). Every variant of a repeat replays the same requests,
+so the request-level bootstrap is paired: one draw of request ids per resample, the metric
+evaluated on both variants over those same requests; the between-request spread that both
+variants share then cancels from the interval of the difference. Records whose request ids
+do not overlap fall back to resampling each variant on its own (`Comparison.paired` says
+which was used). GPU-utilization metrics resample time samples per variant.
+VALIDATED: the interval lies beyond the minimum effect in the claimed direction and every
+guard holds. REJECTED: the interval includes no change, stays short of the minimum
+effect, or points the other way. PARTIALLY VALIDATED: the claim holds but a guard fails,
+or it holds for some declared classes and reverses for others. INCONCLUSIVE: too few
+successful requests or failed runs.
 The generator is seeded from the hypothesis seed, so a report is reproducible.
 """
 
@@ -23,6 +29,8 @@ import pandas as pd
 from btb_lab.analysis.metrics import (
     GPU_METRIC_NAMES,
     HIGHER_IS_BETTER,
+    LATENCIES,
+    REQUEST_METRIC_NAMES,
     gpu_stats_from_means,
     latency_stat,
     metric_label,
@@ -37,6 +45,7 @@ __all__ = [
     "bootstrap_change",
     "evaluate_verdict",
     "metric_units",
+    "paired_units",
     "point_value",
 ]
 
@@ -73,6 +82,7 @@ class Comparison:
     outcome: str  # holds | reversed | noise | small | undefined
     ok_baseline: int = 0
     ok_variant: int = 0
+    paired: bool = False  # the bootstrap resampled the same request ids for both variants
 
 
 @dataclass
@@ -113,11 +123,19 @@ def _clean_dict(obj: Any) -> Any:
 
 
 def _stat_for(metric: str) -> Stat:
+    """The metric over a block of units; NaN rows (a request missing from a variant, or
+    for latencies one that failed there) do not count."""
     if metric == "ok_rate":
-        return lambda rows: float(rows[:, 0].mean()) if len(rows) else math.nan
+
+        def ok_rate(rows: np.ndarray) -> float:
+            sent = rows[:, 0][~np.isnan(rows[:, 0])]
+            return float(sent.mean()) if sent.size else math.nan
+
+        return ok_rate
     if metric == "cache_hit_rate":
 
         def hit_rate(rows: np.ndarray) -> float:
+            rows = rows[~np.isnan(rows).any(axis=1)]
             total = rows[:, 1].sum()
             return float(rows[:, 0].sum() / total) if total > 0 else math.nan
 
@@ -192,6 +210,140 @@ def _resample(units: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarr
     return np.concatenate(parts)
 
 
+def paired_units(
+    records: pd.DataFrame,
+    baseline: str,
+    variant: str,
+    metric: str,
+    klass: str | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """Row-aligned resampling units of baseline and variant for a paired bootstrap: one
+    2-D array per repeat each, row i of both the same (repeat, request_id). A request
+    missing from a variant is a NaN row there; for latencies a failed request is NaN too,
+    so percentiles stay over successful requests and OK rate over the requests sent.
+
+    Without a class the rows are every request either variant sent in that repeat. With a
+    class they are the requests the *baseline* labelled with it, read from the variant
+    whatever label it gave them: classes can depend on cached tokens, which the variant
+    changes, and comparing each variant's own class would compare different request
+    populations (a router that turns HEAVY requests into WARM hits would change WARM's
+    make-up). The variant's value is then its metric over those requests.
+
+    None when the metric is a GPU one, request ids are absent or repeat within a run, or
+    the two variants share no request id: the caller resamples each variant on its own."""
+    if metric in GPU_METRIC_NAMES or "request_id" not in records.columns:
+        return None
+    keys = ["repeat", "request_id"]
+    if metric == "ok_rate":
+        columns = ["ok"]
+    elif metric == "cache_hit_rate":
+        columns = ["cached_tokens", "input_tokens"]
+    else:
+        columns = [f"{metric.split('_', 1)[0]}_s"]
+
+    def table(name: str) -> pd.DataFrame:
+        rows = records[records["variant"] == name]
+        out = pd.DataFrame({
+            "repeat": rows["repeat"].astype(int).to_numpy(),
+            "request_id": rows["request_id"].astype(str).to_numpy(),
+            "klass": rows["class"].to_numpy() if "class" in rows.columns else None,
+        })  # fmt: skip
+        if metric == "ok_rate":
+            out["ok"] = rows["ok"].astype(bool).astype(float).to_numpy()
+        elif metric == "cache_hit_rate":
+            for c in columns:
+                out[c] = rows[c].to_numpy(dtype=float)
+        else:
+            out[columns[0]] = np.where(
+                rows["ok"].astype(bool).to_numpy(), rows[columns[0]].to_numpy(dtype=float), np.nan
+            )
+        return out
+
+    base, var = table(baseline), table(variant)
+    if base.empty or var.empty or base.duplicated(keys).any() or var.duplicated(keys).any():
+        return None
+    base_idx = pd.MultiIndex.from_frame(base[keys])
+    var_idx = pd.MultiIndex.from_frame(var[keys])
+    if klass is not None:
+        universe = pd.MultiIndex.from_frame(base.loc[base["klass"] == klass, keys])
+    else:
+        universe = base_idx.union(var_idx)
+    # `universe` holds the variant's own ids unless restricted to a class; sharing means
+    # the baseline's requests (of the class) turn up in the variant
+    shared = (base_idx if klass is None else universe).isin(var_idx)
+    if universe.empty or not shared.any():
+        return None
+    universe = universe.sort_values()
+    b = base.set_index(keys)[columns].reindex(universe).to_numpy(dtype=float)
+    v = var.set_index(keys)[columns].reindex(universe).to_numpy(dtype=float)
+    repeats = universe.get_level_values("repeat").to_numpy()
+    cuts = np.flatnonzero(np.diff(repeats)) + 1
+    return list(np.split(b, cuts)), list(np.split(v, cuts))
+
+
+def _paired_indices(sizes: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """Row indices into the concatenated units of one paired resample: repeats drawn
+    with replacement when there are two or more, then requests within each drawn one."""
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    picks = rng.integers(0, len(sizes), len(sizes)) if len(sizes) >= 2 else range(len(sizes))
+    parts = [offsets[i] + rng.integers(0, sizes[i], sizes[i]) for i in picks if sizes[i]]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+class _RankPercentile:
+    """A latency percentile over row-index resamples of one column, without sorting or
+    partitioning each resample: the column is ranked once, a resample's order statistics
+    come from a bincount of its rows' ranks. Same value as `latency_stat` (numpy's linear
+    method, same interpolation arithmetic), at a fraction of the cost per resample."""
+
+    def __init__(self, column: np.ndarray, percent: float) -> None:
+        valid = ~np.isnan(column)
+        order = np.argsort(column[valid], kind="stable")
+        self.sorted = column[valid][order]
+        ranks = np.empty(order.size, dtype=np.int64)
+        ranks[order] = np.arange(order.size)
+        self.ranks = np.full(column.size, -1, dtype=np.int64)
+        self.ranks[valid] = ranks
+        self.quantile = percent / 100
+
+    def __call__(self, rows: np.ndarray) -> float:
+        drawn = self.ranks[rows]
+        drawn = drawn[drawn >= 0]
+        if drawn.size == 0:
+            return math.nan
+        below = np.cumsum(np.bincount(drawn, minlength=self.sorted.size))
+        index = (drawn.size - 1) * self.quantile
+        low = math.floor(index)
+        high = min(low + 1, drawn.size - 1)
+        a, b = self.sorted[np.searchsorted(below, [low, high], side="right")]
+        t = index - low
+        diff = b - a
+        return float(b - diff * (1 - t) if t >= 0.5 else a + diff * t)
+
+
+def _row_stat(metric: str, units: np.ndarray) -> Callable[[np.ndarray], float]:
+    """The metric over the rows `rows` of row-aligned units."""
+    if metric in REQUEST_METRIC_NAMES and metric.split("_", 1)[0] in LATENCIES:
+        stat = metric.split("_", 1)[1]
+        if stat.startswith("p"):
+            return _RankPercentile(units[:, 0], float(stat[1:]))
+    if metric == "ok_rate" or metric.endswith("_mean"):
+        # a mean over the rows that count: successful requests, or for OK rate those sent
+        return _ratio_stat(np.nan_to_num(units[:, 0]), ~np.isnan(units[:, 0]))
+    full = _stat_for(metric)
+    return lambda rows: full(units[rows])
+
+
+def _ratio_stat(numerator: np.ndarray, counted: np.ndarray) -> Callable[[np.ndarray], float]:
+    """sum(numerator) / count(counted) over the rows drawn: a mean over 1-D gathers."""
+
+    def ratio(rows: np.ndarray) -> float:
+        count = np.count_nonzero(counted[rows])
+        return float(numerator[rows].sum() / count) if count else math.nan
+
+    return ratio
+
+
 def _seed(*parts: object) -> int:
     digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
@@ -205,18 +357,30 @@ def bootstrap_change(
     samples: int,
     confidence: float,
     seed: int,
+    paired: bool = False,
 ) -> tuple[float, float, float]:
     """Relative change (variant − baseline) / baseline and its percentile bootstrap
-    interval. NaN where the baseline value is zero or undefined."""
+    interval. NaN where the baseline value is zero or undefined. `paired`: the units are
+    row-aligned (`paired_units`), and each resample uses the same rows for both."""
     stat = _stat_for(metric)
     base = point_value(base_units, metric)
     value = point_value(var_units, metric)
     change = (value - base) / base if base and math.isfinite(base) else math.nan
     rng = np.random.default_rng(seed)
     draws = np.empty(samples)
+    if paired:
+        sizes = [len(u) for u in base_units]
+        if sizes != [len(u) for u in var_units]:
+            raise ValueError("paired bootstrap needs row-aligned units")
+        base_stat = _row_stat(metric, np.concatenate(base_units))
+        var_stat = _row_stat(metric, np.concatenate(var_units))
     for i in range(samples):
-        b = stat(_resample(base_units, rng))
-        v = stat(_resample(var_units, rng))
+        if paired:
+            rows = _paired_indices(sizes, rng)
+            b, v = base_stat(rows), var_stat(rows)
+        else:
+            b = stat(_resample(base_units, rng))
+            v = stat(_resample(var_units, rng))
         draws[i] = (v - b) / b if b and math.isfinite(b) else math.nan
     draws = draws[np.isfinite(draws)]
     if draws.size < samples * 0.9:
@@ -268,18 +432,31 @@ def _compare(
     klass: str | None,
     seed: int,
 ) -> Comparison:
-    base_units = metric_units(records, util, baseline, metric, klass)
-    var_units = metric_units(records, util, variant, metric, klass)
+    aligned = paired_units(records, baseline, variant, metric, klass)
+    if aligned is not None:
+        base_units, var_units = aligned
+    else:
+        base_units = metric_units(records, util, baseline, metric, klass)
+        var_units = metric_units(records, util, variant, metric, klass)
     change, low, high = bootstrap_change(
         base_units, var_units, metric, samples=rule.bootstrap_samples,
         confidence=rule.confidence, seed=_seed(seed, variant, metric, klass or ""),
+        paired=aligned is not None,
     )  # fmt: skip
     base = point_value(base_units, metric)
     value = point_value(var_units, metric)
 
     def ok_count(v: str) -> int:
         rows = records[records["variant"] == v]
-        if klass is not None:
+        if klass is not None and aligned is not None and v != baseline:
+            # the requests paired on: those of the class in the baseline
+            labelled = records[(records["variant"] == baseline) & (records["class"] == klass)]
+            keys = ["repeat", "request_id"]
+            chosen = pd.MultiIndex.from_frame(labelled[keys].astype({"request_id": str}))
+            rows = rows[
+                pd.MultiIndex.from_frame(rows[keys].astype({"request_id": str})).isin(chosen)
+            ]
+        elif klass is not None:
             rows = rows[rows["class"] == klass]
         return int(rows["ok"].astype(bool).sum())
 
@@ -293,6 +470,7 @@ def _compare(
         outcome=_outcome(rule, metric, low, high),
         ok_baseline=ok_count(baseline),
         ok_variant=ok_count(variant),
+        paired=aligned is not None,
     )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from btb_lab.analysis.metrics import derive_timings
-from btb_lab.analysis.verdict import evaluate_verdict
+from btb_lab.analysis.metrics import derive_timings, latency_stat
+from btb_lab.analysis.verdict import _RankPercentile, evaluate_verdict, paired_units
 from btb_lab.hypothesis.schema import VerdictRule
 
 EMPTY_UTIL = pd.DataFrame(columns=["variant", "repeat", "time_s", "instance", "device",
@@ -34,12 +34,19 @@ def records(
     return rows
 
 
-def judge(rows: list[dict], rule: VerdictRule | None = None, variants=("base", "new")) -> object:
+def judge(
+    rows: list[dict], rule: VerdictRule | None = None, variants=("base", "new"), seed: int = 1
+) -> object:
     frame = derive_timings(pd.DataFrame(rows))
     return evaluate_verdict(
         frame, EMPTY_UTIL, rule or VerdictRule(metric="ttft_p90", min_effect=0.05),
-        baseline="base", variants=list(variants), seed=1,
+        baseline="base", variants=list(variants), seed=seed,
     )  # fmt: skip
+
+
+def unpaired(rows: list[dict]) -> list[dict]:
+    """The same rows with request ids no other variant shares."""
+    return [{**r, "request_id": f"{r['variant']}-{r['request_id']}"} for r in rows]
 
 
 def test_clear_win_is_validated_with_numbers() -> None:
@@ -53,12 +60,13 @@ def test_clear_win_is_validated_with_numbers() -> None:
 
 
 def test_no_change_is_rejected_within_noise() -> None:
-    # the same latency sample for both: zero true effect, the interval straddles zero
+    # identical latencies per request: the paired interval is exactly no change
     v = judge(records("base", 1.0, seed=1) + records("new", 1.0, seed=1))
     assert v.word == "REJECTED"
     assert v.reason.endswith("within noise")
     p = v.variants["new"].primary
-    assert p.ci_low < 0 < p.ci_high
+    assert p.paired
+    assert p.ci_low == 0 == p.ci_high
 
 
 def test_wrong_direction_is_rejected() -> None:
@@ -167,3 +175,124 @@ def test_undefined_gpu_imbalance_is_inconclusive_with_reason() -> None:
     assert v.word == "INCONCLUSIVE"
     assert "GPU imbalance undefined (new vs base): n/a for base, n/a for new" in v.reason
     assert "zero mean utilization" in v.reason
+
+
+# ---------------------------------------------------------------------------- pairing
+
+
+def test_small_slowdown_on_every_request_gives_a_tight_paired_interval() -> None:
+    # H1's shape: the variant is the baseline 1.3% slower on every request. Unpaired, the
+    # request-to-request spread swamps it; paired, the interval sits on +1.3%.
+    rule = VerdictRule(metric="ttft_p90", direction="increase", min_effect=0.05)
+    rows = records("base", 1.0, seed=1) + records("new", 1.013, seed=1)
+    v = judge(rows, rule)
+    p = v.variants["new"].primary
+    assert p.paired
+    assert 0.010 <= p.ci_low <= p.change <= p.ci_high <= 0.016
+    assert v.word == "REJECTED"
+    assert v.reason.endswith("smaller than the 5% minimum effect")
+    loose = judge(unpaired(rows), rule).variants["new"].primary
+    assert not loose.paired
+    assert loose.ci_low < 0 < loose.ci_high  # what the unpaired bootstrap made of it
+    assert loose.ci_high - loose.ci_low > 10 * (p.ci_high - p.ci_low)
+
+
+def test_large_gain_on_every_request_is_validated_tightly() -> None:
+    v = judge(records("base", 1.0, seed=1) + records("new", 0.8, seed=1))
+    p = v.variants["new"].primary
+    assert v.word == "VALIDATED"
+    assert p.paired
+    assert -0.205 <= p.ci_low <= p.change <= p.ci_high <= -0.195
+    assert "TTFT90 -20.0% [-20.0%, -20.0%]" in v.reason
+
+
+def test_disjoint_request_ids_fall_back_to_unpaired() -> None:
+    rows = unpaired(records("base", 1.0, seed=1) + records("new", 0.6, seed=2))
+    v = judge(rows)
+    p = v.variants["new"].primary
+    assert v.word == "VALIDATED"
+    assert not p.paired
+    assert p.ci_low < p.change < p.ci_high < -0.05
+    assert v.to_dict()["variants"]["new"]["primary"]["paired"] is False
+
+
+def test_paired_repeats_are_resampled_too() -> None:
+    # the same requests per repeat, a different true effect in each repeat: resampling
+    # repeats spreads the interval over the repeats' effects; requests alone would not
+    rows = records("base", 1.0, seed=1, repeats=3)
+    new = records("new", 1.0, seed=1, repeats=3)
+    for row in new:
+        scale = (0.9, 0.7, 0.8)[row["repeat"]]
+        row["first_token_s"] *= scale
+        row["finish_s"] = row["first_token_s"] + 1.0
+    rule = VerdictRule(metric="ttft_mean", min_effect=0.05)
+    v = judge(rows + new, rule)
+    p = v.variants["new"].primary
+    assert p.paired
+    assert abs(p.change + 0.2) < 0.02
+    assert p.ci_low < -0.24
+    assert p.ci_high > -0.16
+    assert v.word == "VALIDATED"
+
+
+def test_failed_and_missing_requests_in_paired_units() -> None:
+    # the variant fails its first 30 requests and never sent the last 30
+    base = records("base", 1.0, seed=1)
+    new = records("new", 1.0, seed=1, fail=30)[:-30]
+    frame = derive_timings(pd.DataFrame(base + new))
+    b, n = paired_units(frame, "base", "new", "ttft_p90")
+    assert len(b[0]) == len(n[0]) == 300
+    assert np.isnan(n[0][:, 0]).sum() == 60  # 30 failed, 30 never sent
+    assert not np.isnan(b[0][:, 0]).any()
+    # OK rate counts the requests each variant sent: 240 of 270 for the variant
+    v = judge(base + new, VerdictRule(metric="ok_rate", direction="increase", min_effect=0.05))
+    p = v.variants["new"].primary
+    assert p.paired
+    assert p.baseline == 1.0
+    assert abs(p.value - 240 / 270) < 1e-12
+    assert v.word == "REJECTED"
+    assert "opposite of the claimed increase" in v.reason
+    # latency percentiles stay over the variant's successful requests
+    v = judge(base + new)
+    p = v.variants["new"].primary
+    ok_ttft = np.array([r["first_token_s"] for r in new[30:]])
+    assert p.value == latency_stat(ok_ttft, "p90")
+
+
+def test_class_metrics_pair_on_the_baseline_class() -> None:
+    # the variant relabels every request A (say, cache hits moved them); the B comparison
+    # follows the requests the baseline called B, 20% faster in the variant
+    base = records("base", 1.0, seed=1, classes=("A", "B"))
+    new = [{**r, "class": "A"} for r in records("new", 0.8, seed=1, classes=("A", "B"))]
+    rule = VerdictRule(metric="ttft_p90", min_effect=0.05, **{"class": "B"})
+    v = judge(base + new, rule)
+    p = v.variants["new"].primary
+    assert p.paired
+    assert p.scope == "B"
+    b_ttft = np.array([r["first_token_s"] for r in base if r["class"] == "B"])
+    assert p.baseline == latency_stat(b_ttft, "p90")
+    assert abs(p.value - 0.8 * p.baseline) < 1e-12
+    assert -0.205 <= p.ci_low <= p.ci_high <= -0.195
+    assert p.ok_baseline == p.ok_variant == 150
+    assert v.word == "VALIDATED"
+
+
+def test_same_seed_same_verdict_other_seed_other_interval() -> None:
+    rows = records("base", 1.0, seed=1, repeats=2) + records("new", 0.7, seed=2, repeats=2)
+    a, b, c = judge(rows), judge(rows), judge(rows, seed=2)
+    assert a.variants["new"].primary.paired
+    assert a == b
+    assert a.to_dict() == b.to_dict()
+    assert a.variants["new"].primary.ci_low != c.variants["new"].primary.ci_low
+
+
+def test_rank_percentile_matches_numpy_on_resamples() -> None:
+    rng = np.random.default_rng(7)
+    column = rng.lognormal(0, 1, 501)
+    column[rng.random(501) < 0.1] = np.nan
+    for q in (50.0, 90.0, 95.0, 99.0):
+        fast = _RankPercentile(column, q)
+        for _ in range(20):
+            rows = rng.integers(0, column.size, column.size)
+            assert fast(rows) == latency_stat(column[rows], f"p{q:g}")
+    assert np.isnan(_RankPercentile(np.full(4, np.nan), 90.0)(np.arange(4)))
