@@ -256,25 +256,17 @@ class Router:
             except Exception as exc:  # bootstrap unreachable: a failed request, not a crash
                 res = StreamResult(sent_s=self.clock.now(), error=f"Bootstrap:{type(exc).__name__}")
                 return self._record(request, decision, res, target_s)
+            produce, consume = self._mooncake_params(p, engine_id, transfer_id)
             prefill_body = completion_payload(
-                self.model, prompt, 1, stream=False,
-                kv_transfer_params={
-                    "do_remote_decode": True, "do_remote_prefill": False,
-                    "transfer_id": transfer_id,
-                },
-            )  # fmt: skip
+                self.model, prompt, 1, stream=False, kv_transfer_params=produce
+            )
             if decision.prefill_cold:
                 # A prefill service without the session's cache: a unique salt makes vLLM's
                 # prefix cache miss, so the prefill is computed cold as the policy modeled.
                 prefill_body["cache_salt"] = f"cold-{transfer_id}"
             decode_body = completion_payload(
-                self.model, prompt, request.output_tokens,
-                kv_transfer_params={
-                    "do_remote_decode": False, "do_remote_prefill": True,
-                    "remote_bootstrap_addr": self.endpoints[p].bootstrap_url,
-                    "remote_engine_id": engine_id, "transfer_id": transfer_id,
-                },
-            )  # fmt: skip
+                self.model, prompt, request.output_tokens, kv_transfer_params=consume
+            )
             prefill_task = asyncio.create_task(
                 self.client.stream_completion(self._url(p), prefill_body, self.clock)
             )
@@ -386,6 +378,21 @@ class Router:
         else:
             self.stats.warms_failed += 1
 
+    def _mooncake_params(
+        self, producer: int, engine_id: str, transfer_id: str
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`kv_transfer_params` of one Mooncake transfer: the producer's (prefill for remote
+        decode) and the consumer's (pull from the producer's bootstrap server)."""
+        produce = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+        consume = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_bootstrap_addr": self.endpoints[producer].bootstrap_url,
+            "remote_engine_id": engine_id,
+            "transfer_id": transfer_id,
+        }
+        return produce, consume
+
     async def _warm_transfer(
         self, source: int, target: int, tokens: list[int], request: Request
     ) -> bool:
@@ -396,20 +403,13 @@ class Router:
         except Exception:
             return False
         transfer_id = f"warm-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
+        produce, consume = self._mooncake_params(source, engine_id, transfer_id)
         src_body = completion_payload(
-            self.model, tokens, 1, stream=False,
-            kv_transfer_params={
-                "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
-            },
-        )  # fmt: skip
+            self.model, tokens, 1, stream=False, kv_transfer_params=produce
+        )
         dst_body = completion_payload(
-            self.model, tokens, 1, stream=False,
-            kv_transfer_params={
-                "do_remote_decode": False, "do_remote_prefill": True,
-                "remote_bootstrap_addr": self.endpoints[source].bootstrap_url,
-                "remote_engine_id": engine_id, "transfer_id": transfer_id,
-            },
-        )  # fmt: skip
+            self.model, tokens, 1, stream=False, kv_transfer_params=consume
+        )
         src_task = asyncio.create_task(
             self.client.stream_completion(self._url(source), src_body, self.clock)
         )
