@@ -84,6 +84,29 @@ def result_lines(summary: dict[str, Any], baseline: str) -> list[str]:
     return lines
 
 
+def engine_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Per run, what the engines themselves reported (real clusters only): each instance's
+    prefix-cache hit rate over the run from vLLM's /metrics, and the load driver's lag."""
+    lines: list[str] = []
+    for entry in runs:
+        extra = entry.get("extra") or {}
+        rates = (extra.get("metrics") or {}).get("cache_hit_rate")
+        if not rates:
+            continue
+        shown = ", ".join(
+            f"{name} {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
+            for name, rate in sorted(rates.items())
+        )
+        line = (
+            f"{entry.get('variant')} r{int(entry.get('repeat', 0)) + 1}: prefix-cache hit {shown}"
+        )
+        driver = extra.get("driver") or {}
+        if driver.get("lag_p99_ms") is not None:
+            line += f"; driver send lag p99 {float(driver['lag_p99_ms']):.2f} ms"
+        lines.append(line)
+    return lines
+
+
 def _topology(hyp: Hypothesis) -> str:
     groups = [f"{g.count}×{g.role} ({g.gpus}×{g.gpu})" for g in hyp.cluster.instances]
     conn = hyp.cluster.kv_connector
@@ -211,6 +234,7 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
             else ""
         ),
         "result_lines": result_lines(summary, hyp.baseline),
+        "engine_lines": engine_lines(runs),
         "comparisons": _comparisons(run),
         "verdict_word": summary["verdict"]["word"],
         "verdict_reason": summary["verdict"]["reason"],

@@ -64,3 +64,22 @@ def test_summary_contract_keys(tmp_path: Path, fake_effects) -> None:
     assert set(v["gpu"]) >= {"imbalance", "std", "max"}
     assert v["routes"] == {"COLO": 120}
     assert v["cache"]["requests_with_hit"] == 60
+
+
+def test_engine_lines_show_per_instance_cache_hit_rates_of_real_runs() -> None:
+    from btb_lab.report.render import engine_lines
+
+    runs = [
+        {"variant": "least_load", "repeat": 0, "extra": {
+            "metrics": {"cache_hit_rate": {"C1": 0.125, "C0": None}},
+            "driver": {"lag_p99_ms": 1.234},
+        }},
+        {"variant": "cache_aware", "repeat": 1, "extra": {
+            "metrics": {"cache_hit_rate": {"C0": 0.5, "C1": 0.75}},
+        }},
+        {"variant": "sim_run", "repeat": 0},  # simulator runs carry no engine metrics
+    ]  # fmt: skip
+    assert engine_lines(runs) == [
+        "least_load r1: prefix-cache hit C0 n/a, C1 12.5%; driver send lag p99 1.23 ms",
+        "cache_aware r2: prefix-cache hit C0 50.0%, C1 75.0%",
+    ]
