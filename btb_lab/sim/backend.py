@@ -101,8 +101,14 @@ def fidelity_facts(
                 }
                 for i in instances
             ],
-            "kv_reservation": "input+output tokens per admitted request (no preemption)",
-            "prefix_cache": "HBM not reserved by admitted requests, LRU to host RAM"
+            "kv_reservation": (
+                "uncached prompt blocks + output tokens per admitted request; the cached "
+                "prefix blocks it reuses are shared, pinned (ref-counted) while it runs and "
+                "never evicted; its own prompt blocks join them once resident (no preemption)"
+                if settings.kv_prefix_sharing
+                else "input+output tokens per admitted request (no preemption)"
+            ),
+            "prefix_cache": "HBM not reserved or pinned by admitted requests, LRU to host RAM"
             + (", then disk (shared, unbounded)" if settings.disk_tier else ""),
             "decode_steps": "output_tokens - 1 after the prefill's first token",
             "rdma_link": "transfers into one instance share its RDMA link (serialized)",

@@ -6,6 +6,28 @@ every run; arrivals stream in from the sorted request list under the same key or
 instead of filling the heap. A decode phase is advanced in closed form to the next event
 (the first sequence to finish, or the step boundary at which an admission pauses it)
 rather than token by token. The simulated clock is the only clock.
+
+KV accounting (`kv_prefix_sharing`, on by default; off reserves `input + output` tokens
+per admitted request, the seed's rule). With sharing, as in vLLM's ref-counted prefix
+cache, a request holds two things while it runs:
+
+- *pinned* blocks: the cached blocks of its prompt it reuses, shared with every other
+  running request that reuses them (a reference count per block). Pinned blocks stay in
+  the HBM cache and are never evicted; when the last reference goes they become the most
+  recently used unpinned (evictable) cache blocks.
+- *reserved* tokens: the rest of its prompt (counted in whole blocks for the hashed
+  part, as a paged cache allocates them) plus its output (none for a prefill done for
+  another instance).
+
+The budget invariant is `pinned blocks × block_tokens + reserved <= kv_budget_tokens`, and
+the unpinned cache blocks fill what is left. Admission checks the same sum with the job's
+full cost less the leading blocks of its prompt already pinned there (a lower bound on
+what it will pin, so the check is never optimistic). Under `at_admission` the whole
+prompt is inserted and pinned at admission; under `after_prefill` a request pins the
+blocks it reuses at admission and, when its prefill completes and its own blocks become
+resident, those blocks move from its reservation to its pins one for one (the simplest
+rule that keeps the invariant and lets later requests share them at once). The decode
+step still reads every sequence's whole context: sharing saves memory, not bandwidth.
 """
 
 from __future__ import annotations
@@ -79,6 +101,7 @@ class _Job:
         "enq_s",
         "hashes",
         "kind",
+        "n_pin",
         "need",
         "parked",
         "prefill_inst",
@@ -92,7 +115,8 @@ class _Job:
         self.kind = kind
         self.req = req
         self.rec = rec
-        self.need = 0
+        self.need = 0  # KV tokens reserved while admitted (the full cost while waiting)
+        self.n_pin = 0  # leading blocks of `hashes` this job pins on its current instance
         self.enq_s = 0.0
         self.hashes: Sequence[int] = req.block_hashes if req is not None else ()
         self.block_tokens = req.block_tokens if req is not None else 0
@@ -136,6 +160,7 @@ class _Inst:
         "p_tok_s",
         "pending",
         "phase",
+        "pins",
         "ram",
         "ram_cap_blocks",
         "ram_tok_s",
@@ -173,6 +198,9 @@ class _Inst:
         self.reserved = 0
         self.cap_tokens = spec.kv_budget_tokens
         self.hbm: OrderedDict[int, None] = OrderedDict()
+        # HBM blocks in use by admitted requests (kv_prefix_sharing): hash -> reference
+        # count. Always a subset of `hbm`; never evicted.
+        self.pins: dict[int, int] = {}
         self.ram: OrderedDict[int, None] = OrderedDict()
         kvb = spec.kv_bytes_per_token
         self.ram_cap_blocks = (
@@ -267,6 +295,7 @@ class Engine:
         self.after_prefill = settings.kv_visibility == "after_prefill"
         self.view_routed = settings.router_view == "routed"
         self.reusable = settings.transferred_kv_reusable
+        self.sharing = settings.kv_prefix_sharing
         self.max_batch = settings.max_batch
         self.setup_s = settings.transfer_setup_ms / 1e3
         self.dt = settings.sample_interval_s
@@ -354,6 +383,15 @@ class Engine:
                 raise SimInvariantError(f"{inst.name}: reserved KV above budget")
             if len(inst.hbm) * bt > inst.cap_tokens - inst.reserved:
                 raise SimInvariantError(f"{inst.name}: HBM cache above its budget")
+            if len(inst.pins) * bt + inst.reserved > inst.cap_tokens:
+                raise SimInvariantError(f"{inst.name}: pinned + reserved KV above budget")
+            if inst.pins and not self.sharing:
+                raise SimInvariantError(f"{inst.name}: blocks pinned without sharing")
+            for h, refs in inst.pins.items():
+                if refs <= 0:
+                    raise SimInvariantError(f"{inst.name}: block {h} pinned {refs} times")
+                if h not in inst.hbm:
+                    raise SimInvariantError(f"{inst.name}: pinned block {h} was evicted")
             if len(inst.ram) > inst.ram_cap_blocks:
                 raise SimInvariantError(f"{inst.name}: host RAM cache above its budget")
             if inst.n_seqs > self.max_batch:
@@ -408,9 +446,12 @@ class Engine:
         dinst.load.outstanding_tokens += total
         if self.view_routed:
             self._route_note(dinst, req.block_hashes)
+        prompt = req.input_tokens
+        if self.sharing and len(req.block_hashes) * self.block_tokens > prompt:
+            prompt = len(req.block_hashes) * self.block_tokens  # whole blocks
         if p is None:
             job = _Job(JOB_REQ, req, rec)
-            job.need = total
+            job.need = prompt + req.output_tokens
             job.decode_inst = d
             job.prefill_inst = d
             self._enqueue(dinst, job)
@@ -420,11 +461,19 @@ class Engine:
             if self.view_routed:
                 self._route_note(pinst, req.block_hashes)
             job = _Job(JOB_P, req, rec)
-            job.need = req.input_tokens
+            job.need = prompt
             job.cold = decision.prefill_cold
             job.decode_inst = d
             job.prefill_inst = p
             self._enqueue(pinst, job)
+
+    def _prompt_tokens(self, req: Request) -> int:
+        """KV a prompt occupies: its tokens, or with sharing its hashed blocks whole."""
+        if self.sharing:
+            blocks = len(req.block_hashes) * self.block_tokens
+            if blocks > req.input_tokens:
+                return blocks
+        return req.input_tokens
 
     def _route_note(self, inst: _Inst, hashes: Sequence[int]) -> None:
         routed = inst.routed
@@ -520,8 +569,17 @@ class Engine:
         ram = inst.ram
         ram_cap = inst.ram_cap_blocks
         disk = self.disk if self.settings.disk_tier else None
+        pins = inst.pins
+        skipped = 0
         while len(hbm) > allowed:
             h, _ = hbm.popitem(last=False)
+            if pins and h in pins:
+                # in use by a running request: it stays resident (now the most recent)
+                hbm[h] = None
+                skipped += 1
+                if skipped > len(pins):
+                    raise SimInvariantError(f"{inst.name}: pinned blocks exceed the KV budget")
+                continue
             if ram_cap:
                 ram[h] = None
                 if len(ram) > ram_cap:
@@ -531,7 +589,7 @@ class Engine:
             elif disk is not None:
                 disk.add(h)
 
-    def _insert(self, inst: _Inst, hashes: Sequence[int]) -> None:
+    def _insert(self, inst: _Inst, hashes: Sequence[int], *, fit: bool = True) -> None:
         hbm = inst.hbm
         ram = inst.ram
         pending = inst.pending
@@ -544,7 +602,66 @@ class Engine:
                     ram.pop(h, None)
             if pending:
                 pending.pop(h, None)
-        self._fit_hbm(inst)
+        if fit:
+            self._fit_hbm(inst)
+
+    def _pin(self, inst: _Inst, job: _Job, upto: int) -> None:
+        """Pin `job.hashes[job.n_pin:upto]` (resident in HBM) for `job`; its reservation
+        (`need`) shrinks by as many blocks. The caller adjusts `inst.reserved`."""
+        start = job.n_pin
+        if upto <= start:
+            return
+        pins = inst.pins
+        hashes = job.hashes
+        get = pins.get
+        if start == 0 and upto == len(hashes):
+            for h in hashes:
+                pins[h] = get(h, 0) + 1
+        else:
+            for i in range(start, upto):
+                h = hashes[i]
+                pins[h] = get(h, 0) + 1
+        job.n_pin = upto
+        job.need -= (upto - start) * self.block_tokens
+
+    def _insert_pinned(self, inst: _Inst, job: _Job) -> None:
+        """`_insert` of the whole prompt of `job` without the fit, pinning the blocks it
+        does not pin yet (one pass: this runs once per request)."""
+        hbm = inst.hbm
+        ram = inst.ram
+        pending = inst.pending
+        pins = inst.pins
+        get = pins.get
+        hashes = job.hashes
+        start = job.n_pin
+        for i, h in enumerate(hashes):
+            if h in hbm:
+                hbm.move_to_end(h)
+            else:
+                hbm[h] = None
+                if ram:
+                    ram.pop(h, None)
+            if pending:
+                pending.pop(h, None)
+            if i >= start:
+                pins[h] = get(h, 0) + 1
+        job.n_pin = len(hashes)
+        job.need -= (len(hashes) - start) * self.block_tokens
+
+    def _unpin(self, inst: _Inst, job: _Job) -> None:
+        """Drop `job`'s references; a block nobody pins becomes evictable, most recent."""
+        pins = inst.pins
+        hbm = inst.hbm
+        hashes = job.hashes
+        n = job.n_pin
+        for h in hashes if n == len(hashes) else hashes[:n]:
+            refs = pins[h] - 1
+            if refs:
+                pins[h] = refs
+            else:
+                del pins[h]
+                hbm.move_to_end(h)
+        job.n_pin = 0
 
     # ---------------------------------------------------------------- scheduling
     def _admissible(self, inst: _Inst, job: _Job) -> bool:
@@ -552,7 +669,28 @@ class Engine:
             return True  # fails at once, which also unblocks the queue
         if job.kind != JOB_WARM and inst.n_seqs >= self.max_batch:
             return False
-        return inst.reserved + job.need <= inst.cap_tokens
+        if not self.sharing:
+            return inst.reserved + job.need <= inst.cap_tokens
+        used = inst.reserved + len(inst.pins) * self.block_tokens
+        return used + job.need <= inst.cap_tokens or used + self._cost(inst, job) <= inst.cap_tokens
+
+    def _cost(self, inst: _Inst, job: _Job) -> int:
+        """KV that admitting `job` adds at most (sharing): its full cost less the leading
+        prompt blocks already pinned here, which it will reuse without new memory. Cold
+        prefills, warm jobs and received KV that is not reusable share nothing."""
+        need = job.need
+        pins = inst.pins
+        if not pins or not job.hashes or job.cold:
+            return need
+        kind = job.kind
+        if kind == JOB_WARM or (kind == JOB_KV and not self.reusable):
+            return need
+        n = 0
+        for h in job.hashes:
+            if h not in pins:
+                break
+            n += 1
+        return need - n * self.block_tokens
 
     def _kick(self, inst: _Inst) -> None:
         """Something changed on `inst`: start work if idle, or cut the current decode
@@ -601,6 +739,8 @@ class Engine:
         now = self.now
         waiting = inst.waiting
         was_idle = inst.phase == PHASE_IDLE
+        sharing = self.sharing
+        bt = self.block_tokens
         while waiting:
             job = waiting[0]
             if job.need > inst.cap_tokens:
@@ -610,9 +750,16 @@ class Engine:
                     inst, job, f"needs {job.need} KV tokens; {inst.name} holds {inst.cap_tokens}"
                 )
                 continue
-            if (
-                job.kind != JOB_WARM and inst.n_seqs >= self.max_batch
-            ) or inst.reserved + job.need > inst.cap_tokens:
+            if job.kind != JOB_WARM and inst.n_seqs >= self.max_batch:
+                break
+            if sharing:
+                used = inst.reserved + len(inst.pins) * bt
+                # the full cost fitting settles it without scanning the pins
+                if used + job.need > inst.cap_tokens and (
+                    used + self._cost(inst, job) > inst.cap_tokens
+                ):
+                    break
+            elif inst.reserved + job.need > inst.cap_tokens:
                 break
             waiting.popleft()
             inst.load.waiting -= 1
@@ -649,14 +796,15 @@ class Engine:
 
     def _reserve(self, inst: _Inst, tokens: int, *, fit: bool = True) -> None:
         inst.reserved += tokens
+        used = inst.reserved + len(inst.pins) * self.block_tokens
         k = int(self.now / self.dt)
         if k != inst.mem_bin:
             if inst.mem_bin >= 0:
                 inst.mem_samples[inst.mem_bin] = inst.mem_peak
             inst.mem_bin = k
-            inst.mem_peak = inst.reserved
-        elif inst.reserved > inst.mem_peak:
-            inst.mem_peak = inst.reserved
+            inst.mem_peak = used
+        elif used > inst.mem_peak:
+            inst.mem_peak = used
         if fit:
             self._fit_hbm(inst)
 
@@ -754,16 +902,22 @@ class Engine:
             rec.kv_load_s = load_s
             rec.prefill_s = prefill_s
         job.prefill_start_s = now
-        self._reserve(inst, job.need, fit=not hashes or self.after_prefill)
-        if hashes:
+        # at_admission: the whole prompt is resident now; with sharing, pin what it uses
+        # before the fit in _reserve, so the fit never evicts it
+        if hashes and self.sharing and job.kind != JOB_WARM:
             if self.after_prefill:
-                pending = inst.pending
-                hbm = inst.hbm
-                for h in hashes[n_use:]:
-                    if h not in hbm:
-                        pending[h] = done
+                self._pin(inst, job, n_use)
             else:
-                self._insert(inst, hashes)
+                self._insert_pinned(inst, job)
+        elif hashes and not self.after_prefill:
+            self._insert(inst, hashes, fit=False)
+        self._reserve(inst, job.need)
+        if hashes and self.after_prefill:
+            pending = inst.pending
+            hbm = inst.hbm
+            for h in hashes[n_use:]:
+                if h not in hbm:
+                    pending[h] = done
         inst.phase = PHASE_PREFILL
         self.seq += 1
         heapq.heappush(self.heap, (done, PRI_PREFILL, self.seq, EV_PREFILL, inst.index, job))
@@ -781,9 +935,15 @@ class Engine:
         rec.first_token_s = now
         inst.n_seqs += 1
         inst.load.running += 1
-        self._reserve(inst, job.need)
         if self.reusable and job.hashes:
-            self._insert(inst, job.hashes)
+            if self.sharing:
+                self._insert_pinned(inst, job)
+                self._reserve(inst, job.need)
+            else:
+                self._reserve(inst, job.need)
+                self._insert(inst, job.hashes)
+        else:
+            self._reserve(inst, job.need)
         self._begin_decode(inst, job)
 
     def _begin_decode(self, inst: _Inst, job: _Job) -> None:
@@ -801,9 +961,16 @@ class Engine:
     # ---------------------------------------------------------------- handlers
     def _on_prefill(self, index: int, job: _Job) -> None:
         inst = self.insts[index]
-        if self.after_prefill and job.hashes:
-            self._insert(inst, job.hashes)
         kind = job.kind
+        if self.after_prefill and job.hashes:
+            if self.sharing and kind != JOB_WARM:
+                # its own blocks are resident now: move them from reserved to pinned
+                before = job.need
+                self._insert_pinned(inst, job)
+                inst.reserved -= before - job.need
+                self._fit_hbm(inst)
+            else:
+                self._insert(inst, job.hashes)
         if kind == JOB_REQ:
             assert job.rec is not None
             job.rec.first_token_s = self.now
@@ -848,9 +1015,11 @@ class Engine:
         assert req is not None
         pinst = self.insts[job.prefill_inst]
         pinst.reserved -= job.need
+        if job.n_pin:
+            self._unpin(pinst, job)
         self._kick(pinst)
         job.kind = JOB_KV
-        job.need = req.input_tokens + req.output_tokens
+        job.need = self._prompt_tokens(req) + req.output_tokens
         self._enqueue(inst, job)
 
     def _on_park(self, index: int, job: _Job) -> None:
@@ -891,6 +1060,8 @@ class Engine:
         inst.n_seqs -= 1
         inst.load.running -= 1
         inst.reserved -= job.need
+        if job.n_pin:
+            self._unpin(inst, job)
         inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
         if self.notify_finish:
             self.policy.on_finish(req, inst.index, now)
@@ -905,7 +1076,11 @@ class Engine:
         rec.ok = False
         rec.error = error
         rec.queue_s += self.now - job.enq_s
-        inst.load.outstanding_tokens -= job.need
+        # failed before admission: it reserved and pinned nothing
+        if job.kind == JOB_P:
+            inst.load.outstanding_tokens -= req.input_tokens
+        else:
+            inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
         if job.kind == JOB_P:
             self.insts[job.decode_inst].load.outstanding_tokens -= (
                 req.input_tokens + req.output_tokens

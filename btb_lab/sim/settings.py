@@ -19,6 +19,13 @@ class SimSettings(StrictModel):
         description="When a request's KV becomes resident, matchable and copyable: after its "
         "prefill completes (causal) or the moment it is admitted (the seed simulator).",
     )
+    kv_prefix_sharing: bool = Field(
+        True,
+        description="Running requests share the KV blocks of a cached prefix, as vLLM's "
+        "prefix cache does (ref-counted): a request reserves only the prompt blocks it does "
+        "not reuse plus its output, and pins the reused blocks while it runs; false "
+        "reserves each request's whole prompt.",
+    )
     router_view: Literal["routed", "resident"] = Field(
         "routed",
         description="What a cache-aware router sees: prefixes it routed (SGLang's approximate "

@@ -244,3 +244,108 @@ def test_kv_visibility_changes_the_result_on_a_burst() -> None:
         )
         out[vis] = sum(r.cached_tokens for r in recs.values())
     assert out["at_admission"] != out["after_prefill"]
+
+
+# ---------------------------------------------------------------- KV prefix sharing
+
+
+@pytest.mark.parametrize("visibility", ["after_prefill", "at_admission"])
+def test_shared_prefix_lets_a_burst_run_concurrently_only_with_sharing(visibility: str) -> None:
+    inst = nodes(1)
+    cap = inst[0].kv_budget_tokens
+    prefix = tuple(range(int(0.6 * cap) // 512))  # 60% of the KV budget
+    p_tokens = len(prefix) * 512
+    reqs = [req(f"r{i}", 0.001 * i, (*prefix, 10_000 + i), out=50) for i in range(4)]
+
+    on, eng = run(reqs, Scripted({}), insts=inst, kv_visibility=visibility)
+    # r0 prefills everything; then r1..r3 start one after another, each reusing the
+    # prefix and prefilling only its own block: none waits for a request to finish
+    t0 = (p_tokens + 512) * P_TOK
+    assert on["r0"].first_token_s == pytest.approx(t0, rel=1e-9)
+    for i in range(1, 4):
+        rec = on[f"r{i}"]
+        assert rec.cached_tokens == p_tokens
+        assert rec.first_token_s == pytest.approx(t0 + i * 512 * P_TOK, rel=1e-9)
+        assert rec.queue_s == pytest.approx(t0 + (i - 1) * 512 * P_TOK - 0.001 * i, rel=1e-9)
+        assert rec.first_token_s < on["r0"].finish_s  # type: ignore[operator]
+    assert eng.insts[0].pins == {}
+    assert eng.insts[0].reserved == 0
+
+    off, _ = run(reqs, Scripted({}), insts=inst, kv_visibility=visibility, kv_prefix_sharing=False)
+    # each reserves its whole 60%-of-budget prompt: they run one at a time
+    for i in range(1, 4):
+        prev, rec = off[f"r{i - 1}"], off[f"r{i}"]
+        assert prev.finish_s is not None
+        assert rec.first_token_s is not None
+        assert rec.first_token_s - rec.prefill_s - rec.kv_load_s == pytest.approx(prev.finish_s)
+        assert rec.queue_s >= prev.finish_s - rec.arrival_s - 1e-9
+
+
+class WatchPrefix(Policy):
+    """Instance 0 always; records how many blocks of `watch` are resident in HBM."""
+
+    name: ClassVar[str] = "watch_prefix"
+
+    def __init__(self, watch: tuple[int, ...]) -> None:
+        super().__init__(Policy.Params())
+        self.watch = watch
+        self.seen: list[tuple[float, int]] = []
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        self.seen.append((view.now_s, view.complete_blocks(0, self.watch)))
+        return Decision(0)
+
+
+@pytest.mark.parametrize("visibility", ["after_prefill", "at_admission"])
+def test_pinned_prefix_blocks_are_never_evicted(visibility: str) -> None:
+    inst = nodes(1)
+    n_blocks = inst[0].kv_budget_tokens // 512
+    shared = tuple(range(1, 101))  # 100 blocks, pinned by the long-running request
+    long = req("long", 0.0, (*shared, 5000), out=10_000)
+    # later requests churn through twice the cache in private blocks
+    churn = [
+        req(f"c{i}", 5.0 + 0.2 * i, tuple(100_000 + 4 * i + j for j in range(4)), out=2)
+        for i in range(n_blocks // 2)
+    ]
+    reqs = [long, *churn]
+    for sharing in (True, False):
+        policy = WatchPrefix(shared)
+        recs, _ = run(reqs, policy, insts=inst, kv_visibility=visibility, kv_prefix_sharing=sharing)
+        end = recs["long"].finish_s
+        assert end is not None
+        assert end > churn[-1].arrival_s
+        during = [n for t, n in policy.seen if 5.0 <= t < end]
+        if sharing:
+            assert during
+            assert all(n == len(shared) for n in during)
+        else:  # a plain LRU cache lets the churn evict the running request's prefix
+            assert min(during) < len(shared)
+
+
+def test_offload_decode_side_shares_the_received_prefix() -> None:
+    cap = nodes(1)[0].kv_budget_tokens
+    prefix = tuple(range(int(0.6 * cap) // 512))
+    reqs = [req(f"r{i}", 0.001 * i, (*prefix, 10_000 + i), out=400) for i in range(2)]
+    script = {r.request_id: Decision(1, prefill_instance=0) for r in reqs}
+    recs, eng = run(reqs, Scripted(script), kv_visibility="after_prefill")
+    r0, r1 = recs["r0"], recs["r1"]
+    # r1 reuses the prefix on the prefill side, and on C1 joins the batch while r0 decodes
+    assert r1.cached_tokens == len(prefix) * 512
+    assert r1.first_token_s < r0.finish_s  # type: ignore[operator]
+    for i in eng.insts:
+        assert (i.pins, i.reserved) == ({}, 0)
+    recs, _ = run(reqs, Scripted(script), kv_visibility="after_prefill", kv_prefix_sharing=False)
+    assert recs["r1"].first_token_s >= recs["r0"].finish_s  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("visibility", ["after_prefill", "at_admission"])
+@pytest.mark.parametrize("sharing", [True, False])
+def test_sharing_runs_are_deterministic(visibility: str, sharing: bool) -> None:
+    reqs = bench_workload(2000, seed=11)
+    settings = SimSettings(kv_visibility=visibility, kv_prefix_sharing=sharing)
+    out = []
+    for _ in range(2):
+        recs: list[RequestRecord] = []
+        run_engine(bench_instances(), settings, BenchCacheAware(Policy.Params()), reqs, recs.append)
+        out.append([asdict(x) for x in recs])
+    assert out[0] == out[1]

@@ -1,7 +1,8 @@
 """Property-based invariants of the engine over random small workloads and decisions:
 no request lost or duplicated, time never backwards, TTFT never below the modeled
-prefill of the uncached tokens, cache occupancy within budget (checked at every event by
-`audit=True`), warm copies never before their source is complete under after_prefill."""
+prefill of the uncached tokens, cache occupancy within budget, pinned + reserved KV within
+budget and pinned blocks never evicted (checked at every event by `audit=True`), with and
+without KV prefix sharing, warm copies never before their source is complete under after_prefill."""
 
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def build(rows: list[tuple[float, int, int, int]]) -> list[Request]:
     layerwise=st.booleans(),
     disk=st.booleans(),
     max_batch=st.integers(min_value=1, max_value=6),
+    sharing=st.booleans(),
 )
 def test_engine_invariants(
     rows: list[tuple[float, int, int, int]],
@@ -94,6 +96,7 @@ def test_engine_invariants(
     layerwise: bool,
     disk: bool,
     max_batch: int,
+    sharing: bool,
 ) -> None:
     insts = [make_instance(i, f"C{i}", "C", GPU_PRESETS["H100"], 1, FAT) for i in range(3)]
     sim = SimSettings(
@@ -102,6 +105,7 @@ def test_engine_invariants(
         layerwise=layerwise,
         disk_tier=disk,
         max_batch=max_batch,
+        kv_prefix_sharing=sharing,
         host_ram_bytes=8 * BT * insts[0].kv_bytes_per_token,
     )
     reqs = build(rows)
@@ -132,3 +136,44 @@ def test_engine_invariants(
         if visibility == "after_prefill":
             assert entry.start_s >= entry.source_complete_s - 1e-12
     assert stats["failed"] == 0
+    for inst in engine.insts:  # every reference and reservation was released
+        assert (inst.pins, inst.reserved) == ({}, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.floats(min_value=0.0, max_value=0.3),
+            st.integers(min_value=0, max_value=1),  # two prefix families: heavy sharing
+            st.integers(min_value=1, max_value=14),  # up to ~60% of the KV budget
+            st.integers(min_value=1, max_value=200),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    seed=st.integers(min_value=0, max_value=10_000),
+    visibility=st.sampled_from(["after_prefill", "at_admission"]),
+    max_batch=st.integers(min_value=1, max_value=12),
+)
+def test_sharing_under_memory_pressure_keeps_the_budget(
+    rows: list[tuple[float, int, int, int]], seed: int, visibility: str, max_batch: int
+) -> None:
+    """Two instances under shared-prefix bursts near the KV budget, sharing on and off:
+    admission never overcommits pinned + reserved KV and no pinned block is evicted
+    (audit), every request completes and every reference is released."""
+    insts = [make_instance(i, f"C{i}", "C", GPU_PRESETS["H100"], 1, FAT) for i in range(2)]
+    reqs = build(rows)
+    for sharing in (True, False):
+        sim = SimSettings(
+            kv_visibility=visibility,
+            max_batch=max_batch,
+            kv_prefix_sharing=sharing,
+            host_ram_bytes=4 * BT * insts[0].kv_bytes_per_token,
+        )
+        recs: list[RequestRecord] = []
+        _, _, engine = run_engine(insts, sim, RandomDecisions(seed), reqs, recs.append, audit=True)
+        assert sorted(r.request_id for r in recs) == sorted(r.request_id for r in reqs)
+        assert all(r.ok for r in recs)
+        for inst in engine.insts:
+            assert (inst.pins, inst.reserved) == ({}, 0)
