@@ -27,7 +27,7 @@ __all__ = [
     "simulate",
 ]
 
-ENGINE_VERSION = "1"
+ENGINE_VERSION = "2"  # 2: kv_prefix_sharing (on by default) changes the numbers
 _WRITE_BATCH = 4096
 
 
