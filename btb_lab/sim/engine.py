@@ -8,7 +8,7 @@ instead of filling the heap. A decode phase is advanced in closed form to the ne
 rather than token by token. The simulated clock is the only clock.
 
 KV accounting (`kv_prefix_sharing`, on by default; off reserves `input + output` tokens
-per admitted request, the seed's rule). With sharing, as in vLLM's ref-counted prefix
+per admitted request, engine version 1's rule). With sharing, as in vLLM's ref-counted prefix
 cache, a request holds two things while it runs:
 
 - *pinned* blocks: the cached blocks of its prompt it reuses, shared with every other
