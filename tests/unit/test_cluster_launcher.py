@@ -30,10 +30,18 @@ DUMMY_SERVER = textwrap.dedent(
     import http.server, os, subprocess, sys, time
     mode, port, pidfile = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     child = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(1)"])
-    with open(pidfile, "w") as fh:
+    with open(pidfile + ".tmp", "w") as fh:
         fh.write(f"{os.getpid()} {child.pid}")
+    os.replace(pidfile + ".tmp", pidfile)  # readers never see half a file
     print("dummy server starting", flush=True)
     if mode == "exit":
+        # exit only once the sibling named in argv[4] (if any) has started its tree, so
+        # the test knows every pid teardown must reach
+        deadline = time.monotonic() + 60
+        while len(sys.argv) > 4 and not os.path.exists(sys.argv[4]):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         print("fatal: cannot load model", flush=True)
         sys.exit(3)
     if mode == "never":
@@ -49,14 +57,20 @@ DUMMY_SERVER = textwrap.dedent(
 )
 
 
-def dummy_spec(tmp_path: Path, name: str, mode: str = "serve", index: int = 0) -> InstanceSpec:
+def dummy_spec(
+    tmp_path: Path, name: str, mode: str = "serve", index: int = 0, after: str | None = None
+) -> InstanceSpec:
+    """A dummy server; in "exit" mode with `after`, it exits once instance `after` has
+    written its pid file."""
     from btb_lab.cluster.launcher import free_port
 
     script = tmp_path / "dummy_server.py"
     script.write_text(DUMMY_SERVER)
     port = free_port()
     pidfile = tmp_path / f"{name}.pids"
-    cmd = (sys.executable, str(script), mode, str(port), str(pidfile))
+    cmd: tuple[str, ...] = (sys.executable, str(script), mode, str(port), str(pidfile))
+    if after is not None:
+        cmd += (str(tmp_path / f"{after}.pids"),)
     return InstanceSpec(index, name, "C", "127.0.0.1", port, (), cmd, {})
 
 
@@ -180,7 +194,8 @@ def test_error_inside_run_still_tears_down(tmp_path: Path) -> None:
 
 
 def test_instance_that_exits_fails_at_once_with_log_tail(tmp_path: Path) -> None:
-    good, bad = dummy_spec(tmp_path, "C0", index=0), dummy_spec(tmp_path, "C1", "exit", 1)
+    good = dummy_spec(tmp_path, "C0", index=0)
+    bad = dummy_spec(tmp_path, "C1", "exit", 1, after="C0")
     launcher = Launcher(tmp_path / "logs", ready_timeout_s=120)
     with pytest.raises(LaunchError) as err:
         launcher.start([good, bad])
@@ -192,8 +207,8 @@ def test_instance_that_exits_fails_at_once_with_log_tail(tmp_path: Path) -> None
 
 def test_instance_never_ready_times_out_and_is_stopped(tmp_path: Path) -> None:
     spec = dummy_spec(tmp_path, "C0", "never")
-    with pytest.raises(LaunchError, match="not ready after 2 s") as err:
-        Launcher(tmp_path / "logs", ready_timeout_s=2, stop_grace_s=2).start([spec])
+    with pytest.raises(LaunchError, match="not ready after 5 s") as err:
+        Launcher(tmp_path / "logs", ready_timeout_s=5, stop_grace_s=2).start([spec])
     assert "dummy server starting" in str(err.value)
     assert not any(alive(p) for p in tree_pids(tmp_path, "C0"))
 
