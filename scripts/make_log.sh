@@ -25,7 +25,8 @@ the embedded simulator (backend `sim`) and appended with `btb-lab log append`. E
 names the fidelity settings that produced its verdict. Where a hypothesis records the
 verdict it received on a real cluster (the elastic-prefill seed log), the entry shows it
 beside the simulator's and says when the two differ: the simulator's answer is a model's
-answer, not a replacement for the real-cluster experiment.
+answer, not a replacement for the real-cluster experiment. The reports and plots each
+entry links to are written under `results/log/` by `make log` (results are not committed).
 
 TEXT
 fi
