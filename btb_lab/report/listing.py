@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["HypothesisRow", "list_hypotheses"]
+__all__ = ["HypothesisRow", "latest_verdicts", "list_hypotheses"]
 
 
 @dataclass
@@ -20,21 +20,32 @@ class HypothesisRow:
     run: str | None
 
 
-def _latest_verdict(results: Path, hypothesis_id: str) -> tuple[str | None, str | None]:
-    for run_dir in sorted((results / hypothesis_id).glob("*/"), reverse=True):
-        summary = run_dir / "summary.json"
-        if summary.is_file():
-            try:
-                data = json.loads(summary.read_text())
-                return str(data["verdict"]["word"]), str(run_dir)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return None, None
+def latest_verdicts(results: Path) -> dict[str, tuple[str, str]]:
+    """Hypothesis id → (verdict word, run dir) of its newest stored run anywhere under
+    `results` (`results/<id>/…`, `make log`'s `results/log/…`, `--out` folders inside it).
+    Runs with `--set` overrides (sweep points among them) test a changed hypothesis, so
+    they do not count. Newest = largest run id, which starts with the UTC start time."""
+    best: dict[str, tuple[str, str, str]] = {}
+    for summary_path in results.rglob("summary.json"):
+        run_dir = summary_path.parent
+        try:
+            summary = json.loads(summary_path.read_text())
+            manifest = json.loads((run_dir / "manifest.json").read_text())
+            hid, run_id = str(summary["hypothesis"]), str(summary["run_id"])
+            word = str(summary["verdict"]["word"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            continue
+        if (manifest.get("cli") or {}).get("options", {}).get("overrides"):
+            continue
+        if hid not in best or run_id > best[hid][0]:
+            best[hid] = (run_id, word, str(run_dir))
+    return {hid: (word, run_dir) for hid, (_, word, run_dir) in best.items()}
 
 
 def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
     """Every `*.yaml` in `folder` that looks like a hypothesis, sorted by file name."""
     rows: list[HypothesisRow] = []
+    verdicts = latest_verdicts(results) if results.is_dir() else {}
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -44,6 +55,6 @@ def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
         if not isinstance(data, dict) or "id" not in data:
             continue
         hid = str(data["id"])
-        verdict, run = _latest_verdict(results, hid)
+        verdict, run = verdicts.get(hid, (None, None))
         rows.append(HypothesisRow(hid, str(data.get("title", "")), path, verdict, run))
     return rows

@@ -83,3 +83,26 @@ def test_engine_lines_show_per_instance_cache_hit_rates_of_real_runs() -> None:
         "least_load r1: prefix-cache hit C0 n/a, C1 12.5%; driver send lag p99 1.23 ms",
         "cache_aware r2: prefix-cache hit C0 50.0%, C1 75.0%",
     ]
+
+
+def test_latest_verdicts_finds_runs_anywhere_and_skips_overridden_ones(tmp_path: Path) -> None:
+    import json
+
+    from btb_lab.report.listing import latest_verdicts
+
+    def stored(rel: str, hid: str, run_id: str, word: str, overrides: dict | None = None) -> None:
+        run_dir = tmp_path / rel
+        run_dir.mkdir(parents=True)
+        summary = {"hypothesis": hid, "run_id": run_id, "verdict": {"word": word}}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        manifest = {"cli": {"options": {"overrides": overrides or {}}}}
+        (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+    stored("H4/20260101T000000Z-aaaaaa", "H4", "20260101T000000Z-aaaaaa", "REJECTED")
+    stored("log/h4", "H4", "20260102T000000Z-bbbbbb", "VALIDATED")  # make log, newer
+    stored("sweeps/s/p1", "H4", "20260103T000000Z-cccccc", "INCONCLUSIVE", {"model": "x"})
+    stored("H7/20260101T000000Z-dddddd", "H7", "20260101T000000Z-dddddd", "REJECTED")
+    assert latest_verdicts(tmp_path) == {
+        "H4": ("VALIDATED", str(tmp_path / "log/h4")),
+        "H7": ("REJECTED", str(tmp_path / "H7/20260101T000000Z-dddddd")),
+    }
