@@ -26,8 +26,15 @@ what it will pin, so the check is never optimistic). Under `at_admission` the wh
 prompt is inserted and pinned at admission; under `after_prefill` a request pins the
 blocks it reuses at admission and, when its prefill completes and its own blocks become
 resident, those blocks move from its reservation to its pins one for one (the simplest
-rule that keeps the invariant and lets later requests share them at once). The decode
-step still reads every sequence's whole context: sharing saves memory, not bandwidth.
+rule that keeps the invariant and lets later requests share them at once).
+
+Decode bandwidth. By default a decode step reads every sequence's whole context: sharing
+saves memory, not bandwidth. With `shared_prefix_attention` (cascade attention, as in
+vLLM) a pinned leading prompt block that several decoding sequences share is read once
+per step: each instance counts the decoding sequences referencing each such block
+(`dec_refs`) and keeps `shared_dup_tokens` = sum over blocks of (refs - 1) × block_tokens,
+subtracted from `ctx_base` as a sequence joins the batch and added back as it leaves.
+Joins and leaves happen only at segment boundaries, so the closed form stays exact.
 """
 
 from __future__ import annotations
@@ -102,6 +109,7 @@ class _Job:
         "hashes",
         "kind",
         "n_pin",
+        "n_shared",
         "need",
         "parked",
         "prefill_inst",
@@ -117,6 +125,7 @@ class _Job:
         self.rec = rec
         self.need = 0  # KV tokens reserved while admitted (the full cost while waiting)
         self.n_pin = 0  # leading blocks of `hashes` this job pins on its current instance
+        self.n_shared = 0  # leading blocks it counts in `dec_refs` while decoding
         self.enq_s = 0.0
         self.hashes: Sequence[int] = req.block_hashes if req is not None else ()
         self.block_tokens = req.block_tokens if req is not None else 0
@@ -147,6 +156,7 @@ class _Inst:
         "ctx_base",
         "dK",
         "dW",
+        "dec_refs",
         "disk_tok_s",
         "hbm",
         "index",
@@ -174,6 +184,7 @@ class _Inst:
         "seg_start",
         "seg_steps",
         "seg_version",
+        "shared_dup_tokens",
         "spec",
         "steps_done",
         "waiting",
@@ -201,6 +212,10 @@ class _Inst:
         # HBM blocks in use by admitted requests (kv_prefix_sharing): hash -> reference
         # count. Always a subset of `hbm`; never evicted.
         self.pins: dict[int, int] = {}
+        # shared_prefix_attention: pinned block -> decoding sequences whose context holds
+        # it, and the tokens a step would read twice without cascade attention
+        self.dec_refs: dict[int, int] = {}
+        self.shared_dup_tokens = 0
         self.ram: OrderedDict[int, None] = OrderedDict()
         kvb = spec.kv_bytes_per_token
         self.ram_cap_blocks = (
@@ -296,6 +311,7 @@ class Engine:
         self.view_routed = settings.router_view == "routed"
         self.reusable = settings.transferred_kv_reusable
         self.sharing = settings.kv_prefix_sharing
+        self.shared_attn = settings.shared_prefix_attention and self.sharing
         self.max_batch = settings.max_batch
         self.setup_s = settings.transfer_setup_ms / 1e3
         self.dt = settings.sample_interval_s
@@ -396,6 +412,15 @@ class Engine:
                 raise SimInvariantError(f"{inst.name}: host RAM cache above its budget")
             if inst.n_seqs > self.max_batch:
                 raise SimInvariantError(f"{inst.name}: batch above max_batch")
+            dup = 0
+            for h, refs in inst.dec_refs.items():
+                if refs <= 0 or h not in inst.pins:
+                    raise SimInvariantError(f"{inst.name}: decode reference to block {h} bad")
+                dup += (refs - 1) * bt
+            if dup != inst.shared_dup_tokens or (dup and not self.shared_attn):
+                raise SimInvariantError(f"{inst.name}: shared prefix count {dup} is off")
+            if not inst.run_heap and (inst.dec_refs or inst.ctx_base):
+                raise SimInvariantError(f"{inst.name}: decode context left with no batch")
         return t
 
     def _push(self, t: float, pri: int, kind: int, inst: int, payload: Any) -> None:
@@ -957,6 +982,44 @@ class Engine:
         inst.run_seq += 1
         heapq.heappush(inst.run_heap, (start + left, inst.run_seq, job))
         inst.ctx_base += req.input_tokens + 1 - start
+        if self.shared_attn and job.n_pin:
+            inst.ctx_base -= self._join_shared(inst, job, req.input_tokens)
+
+    def _join_shared(self, inst: _Inst, job: _Job, input_tokens: int) -> int:
+        """Count `job`'s pinned leading blocks (whole ones inside its prompt) as read by
+        the batch; returns the tokens already read by another sequence."""
+        bt = self.block_tokens
+        n = min(job.n_pin, input_tokens // bt)
+        if n <= 0:
+            return 0
+        refs = inst.dec_refs
+        get = refs.get
+        dup = 0
+        for h in job.hashes[:n]:
+            c = get(h, 0)
+            if c:
+                dup += 1
+            refs[h] = c + 1
+        job.n_shared = n
+        inst.shared_dup_tokens += dup * bt
+        return dup * bt
+
+    def _leave_shared(self, inst: _Inst, job: _Job) -> int:
+        """Undo `_join_shared` as `job` leaves the batch; returns the tokens it no longer
+        duplicates."""
+        refs = inst.dec_refs
+        dup = 0
+        for h in job.hashes[: job.n_shared]:
+            c = refs[h] - 1
+            if c:
+                refs[h] = c
+                dup += 1
+            else:
+                del refs[h]
+        job.n_shared = 0
+        dup *= self.block_tokens
+        inst.shared_dup_tokens -= dup
+        return dup
 
     # ---------------------------------------------------------------- handlers
     def _on_prefill(self, index: int, job: _Job) -> None:
@@ -1045,6 +1108,8 @@ class Engine:
             req = job.req
             assert req is not None
             inst.ctx_base -= req.input_tokens + 1 - (end_step - (req.output_tokens - 1))
+            if job.n_shared:
+                inst.ctx_base += self._leave_shared(inst, job)
             self._finish(inst, job)
         self._step(inst)
 

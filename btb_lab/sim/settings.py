@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from btb_lab.config import StrictModel
 
@@ -25,6 +25,13 @@ class SimSettings(StrictModel):
         "prefix cache does (ref-counted): a request reserves only the prompt blocks it does "
         "not reuse plus its output, and pins the reused blocks while it runs; false "
         "reserves each request's whole prompt.",
+    )
+    shared_prefix_attention: bool = Field(
+        False,
+        description="A decode step reads the KV of a prefix shared by several running "
+        "sequences once, as vLLM's cascade attention does (the pinned leading blocks two or "
+        "more decoding sequences on an instance share count once); false (default): each "
+        "sequence reads its whole context. Needs kv_prefix_sharing.",
     )
     router_view: Literal["routed", "resident"] = Field(
         "routed",
@@ -65,3 +72,14 @@ class SimSettings(StrictModel):
     sample_interval_s: float = Field(
         1.0, gt=0, description="Utilization sampling period on the simulated clock."
     )
+
+    @model_validator(mode="after")
+    def _shared_attention_needs_sharing(self) -> SimSettings:
+        """Without prefix sharing nothing is pinned, so there is no shared prefix to read
+        once: asking for both would silently measure nothing."""
+        if self.shared_prefix_attention and not self.kv_prefix_sharing:
+            raise ValueError(
+                "sim.shared_prefix_attention: true needs sim.kv_prefix_sharing: true "
+                "(the shared prefix is the pinned, ref-counted cached blocks)"
+            )
+        return self

@@ -41,6 +41,7 @@ def test_real_policies_run_every_request_once(policy: str) -> None:
     assert all(r.ok and r.variant == "v" for r in records)
     assert fidelity["policy"] == policy
     assert fidelity["sim.kv_visibility"] == "after_prefill"
+    assert fidelity["sim.shared_prefix_attention"] is False
     assert [t["name"] for t in fidelity["topology"]] == ["C0", "C1", "C2"]
     assert {u.instance for u in util} == {"C0", "C1", "C2"}
 
@@ -68,6 +69,12 @@ def test_variant_sim_and_cluster_overrides_apply() -> None:
     slow, _, fs = simulate(h, "slow", reqs)
     assert (fb["kv_connector"], fs["kv_connector"]) == ("none", "mooncake")
     assert fs["sim.kv_visibility"] == "at_admission"
+    cascade = hypo({"v": {"router": {"policy": "btb"}, "sim": {"shared_prefix_attention": True}}})
+    _, _, fc = simulate(cascade, "v", reqs)
+    assert fc["sim.shared_prefix_attention"] is True
+    no_pins = {"shared_prefix_attention": True, "kv_prefix_sharing": False}
+    with pytest.raises(UserError, match=r"needs sim\.kv_prefix_sharing"):
+        simulate(hypo({"v": {"router": {"policy": "btb"}, "sim": no_pins}}), "v", reqs)
     assert sum(r.decode_s for r in slow) > 1.3 * sum(r.decode_s for r in base)
     bad = hypo({"v": {"router": {"policy": "least_load"}, "sim": {"kv_visibilty": "x"}}})
     with pytest.raises(UserError, match="sim overrides"):

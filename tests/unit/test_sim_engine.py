@@ -11,7 +11,7 @@ from btb_lab.policies.base import ClusterView, Decision, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
 from btb_lab.sim.backend import run_engine
 from btb_lab.sim.bench import BenchCacheAware, bench_instances, bench_workload
-from btb_lab.sim.engine import Engine
+from btb_lab.sim.engine import JOB_REQ, Engine, _Job
 from btb_lab.sim.hardware import GPU_PRESETS, MODEL_PRESETS, InstanceSpec, make_instance
 from btb_lab.sim.settings import SimSettings
 
@@ -339,13 +339,85 @@ def test_offload_decode_side_shares_the_received_prefix() -> None:
 
 
 @pytest.mark.parametrize("visibility", ["after_prefill", "at_admission"])
-@pytest.mark.parametrize("sharing", [True, False])
-def test_sharing_runs_are_deterministic(visibility: str, sharing: bool) -> None:
+@pytest.mark.parametrize(("sharing", "shared_attn"), [(True, False), (False, False), (True, True)])
+def test_sharing_runs_are_deterministic(visibility: str, sharing: bool, shared_attn: bool) -> None:
     reqs = bench_workload(2000, seed=11)
-    settings = SimSettings(kv_visibility=visibility, kv_prefix_sharing=sharing)
+    settings = SimSettings(
+        kv_visibility=visibility,
+        kv_prefix_sharing=sharing,
+        shared_prefix_attention=shared_attn,
+    )
     out = []
     for _ in range(2):
         recs: list[RequestRecord] = []
         run_engine(bench_instances(), settings, BenchCacheAware(Policy.Params()), reqs, recs.append)
         out.append([asdict(x) for x in recs])
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("visibility", ["after_prefill", "at_admission"])
+@pytest.mark.parametrize("shared_attn", [True, False])
+def test_shared_prefix_attention_reads_a_shared_prefix_once_by_hand(
+    visibility: str, shared_attn: bool
+) -> None:
+    """r1 and r2 share a 4-block prefix on C0. r2 queues behind r1's prefill, reuses the
+    prefix, then both decode together for r2's 10 steps; r1 finishes its last 10 alone.
+    Cascade attention reads the 4 shared blocks once per joint step, not twice."""
+    shared = (1, 2, 3, 4)
+    n_shared_tokens = len(shared) * 512
+    reqs = [req("r1", 0.0, (*shared, 100), out=21), req("r2", 0.01, (*shared, 200), out=11)]
+    recs, eng = run(
+        reqs, Scripted({}), kv_visibility=visibility, shared_prefix_attention=shared_attn
+    )
+    r1, r2 = recs["r1"], recs["r2"]
+    t1 = 2560 * P_TOK  # r1's first token
+    t2 = t1 + 512 * P_TOK  # r2's first token: 2048 of its 2560 prompt tokens cached
+    assert r2.cached_tokens == n_shared_tokens
+    assert r1.first_token_s == pytest.approx(t1, rel=1e-12)
+    assert r2.first_token_s == pytest.approx(t2, rel=1e-12)
+    dup = n_shared_tokens if shared_attn else 0
+    # both contexts are 2561 + i tokens at joint step i
+    joint = sum(decode_step_s(2 * (2561 + i) - dup) for i in range(10))
+    alone = sum(decode_step_s(2561 + i) for i in range(10, 20))
+    assert r2.finish_s == pytest.approx(t2 + joint, rel=1e-12)
+    assert r1.finish_s == pytest.approx(t2 + joint + alone, rel=1e-12)
+    # the per-step figure itself: (W + (ctx1 + ctx2 - N·bt) · kv_bytes) / (bw · mbu)
+    spec = nodes()[0]
+    step0 = (spec.model.active_weight_bytes + (2561 + 2561 - dup) * spec.kv_bytes_per_token) / (
+        spec.hbm_bw * 0.8
+    )
+    assert step0 == pytest.approx(decode_step_s(2 * 2561 - dup), rel=1e-12)
+    for inst in eng.insts:
+        assert (inst.dec_refs, inst.shared_dup_tokens, inst.ctx_base) == ({}, 0, 0)
+
+
+def test_shared_prefix_attention_counts_each_block_once_for_three_sequences() -> None:
+    """Three sequences with the same 4-block prefix decode together: 2 × 4 blocks
+    are duplicates; a fourth with a different prefix adds none."""
+    shared = (1, 2, 3, 4)
+    spec = nodes(1)
+    eng = Engine(spec, SimSettings(shared_prefix_attention=True), Scripted({}), block_tokens=512)
+    inst = eng.insts[0]
+    jobs = []
+    for i, blocks in enumerate([(*shared, 10), (*shared, 11), (*shared, 12), (7, 8, 9)]):
+        r = req(f"r{i}", 0.0, blocks, out=5)
+        job = _Job(JOB_REQ, r, None)
+        job.n_pin = len(blocks)
+        for h in blocks:
+            inst.pins[h] = inst.pins.get(h, 0) + 1
+        eng._begin_decode(inst, job)
+        jobs.append(job)
+    contexts = 3 * (2560 + 1) + (1536 + 1)
+    assert inst.shared_dup_tokens == 2 * 4 * 512
+    assert inst.ctx_base == contexts - 2 * 4 * 512
+    eng._leave_shared(inst, jobs[0])
+    assert inst.shared_dup_tokens == 4 * 512
+    for job in jobs[1:]:
+        eng._leave_shared(inst, job)
+    assert (inst.dec_refs, inst.shared_dup_tokens) == ({}, 0)
+
+
+def test_shared_prefix_attention_needs_prefix_sharing() -> None:
+    with pytest.raises(ValueError, match=r"needs sim\.kv_prefix_sharing"):
+        SimSettings(shared_prefix_attention=True, kv_prefix_sharing=False)
+    assert SimSettings().shared_prefix_attention is False

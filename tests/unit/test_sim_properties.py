@@ -87,6 +87,7 @@ def build(rows: list[tuple[float, int, int, int]]) -> list[Request]:
     disk=st.booleans(),
     max_batch=st.integers(min_value=1, max_value=6),
     sharing=st.booleans(),
+    shared_attn=st.booleans(),
 )
 def test_engine_invariants(
     rows: list[tuple[float, int, int, int]],
@@ -97,6 +98,7 @@ def test_engine_invariants(
     disk: bool,
     max_batch: int,
     sharing: bool,
+    shared_attn: bool,
 ) -> None:
     insts = [make_instance(i, f"C{i}", "C", GPU_PRESETS["H100"], 1, FAT) for i in range(3)]
     sim = SimSettings(
@@ -106,6 +108,7 @@ def test_engine_invariants(
         disk_tier=disk,
         max_batch=max_batch,
         kv_prefix_sharing=sharing,
+        shared_prefix_attention=shared_attn and sharing,
         host_ram_bytes=8 * BT * insts[0].kv_bytes_per_token,
     )
     reqs = build(rows)
@@ -138,6 +141,7 @@ def test_engine_invariants(
     assert stats["failed"] == 0
     for inst in engine.insts:  # every reference and reservation was released
         assert (inst.pins, inst.reserved) == ({}, 0)
+        assert (inst.dec_refs, inst.shared_dup_tokens, inst.ctx_base) == ({}, 0, 0)
 
 
 @settings(max_examples=60, deadline=None)
