@@ -6,13 +6,20 @@ millions of them, so they stay cheap; validation happens at the edges.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
+    "DERIVED_COLUMNS",
     "RECORD_COLUMNS",
+    "STORED_COLUMNS",
     "UTIL_COLUMNS",
     "Request",
     "RequestRecord",
     "UtilSample",
+    "derive_timings",
 ]
 
 
@@ -38,7 +45,8 @@ class Request:
 @dataclass(slots=True)
 class RequestRecord:
     """One row per request per variant per repeat. Backends stamp raw times only;
-    ttft_s / tpot_s / e2e_s are derived afterwards by `btb_lab.analysis.metrics`."""
+    ttft_s / tpot_s / e2e_s are derived from them by `derive_timings` when the records
+    are stored (they are never set by a backend)."""
 
     variant: str
     repeat: int
@@ -67,9 +75,6 @@ class RequestRecord:
     kv_transfer_s: float = 0.0  # moving KV between instances (offload pull / warm wait)
     prefill_s: float = 0.0  # computing the uncached prompt tokens
     decode_s: float = 0.0
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    e2e_s: float | None = None
     extra: dict[str, float | int | str] = field(default_factory=dict)
 
 
@@ -85,14 +90,43 @@ class UtilSample:
     source: str = "sim"  # sim | nvml | psutil
 
 
+# What a backend stamps (one JSONL row per record in the run's parts/).
 RECORD_COLUMNS: tuple[str, ...] = (
     "variant", "repeat", "request_id", "trace_id", "source", "session_id", "class",
-    "instance", "route", "arrival_s", "sent_s", "first_token_s", "finish_s", "ttft_s",
-    "tpot_s", "e2e_s", "input_tokens", "output_tokens", "cached_tokens", "ok", "error",
+    "instance", "route", "arrival_s", "sent_s", "first_token_s", "finish_s",
+    "input_tokens", "output_tokens", "cached_tokens", "ok", "error",
     "turn", "group_id", "prefill_instance", "cache_tier", "queue_s", "kv_load_s",
     "kv_transfer_s", "prefill_s", "decode_s",
 )  # fmt: skip
+DERIVED_COLUMNS: tuple[str, ...] = ("ttft_s", "tpot_s", "e2e_s")
+# The columns of `requests.parquet`: the raw stamps plus the latencies derived from them.
+STORED_COLUMNS: tuple[str, ...] = (
+    *RECORD_COLUMNS[: RECORD_COLUMNS.index("finish_s") + 1],
+    *DERIVED_COLUMNS,
+    *RECORD_COLUMNS[RECORD_COLUMNS.index("finish_s") + 1 :],
+)
 
 UTIL_COLUMNS: tuple[str, ...] = (
     "variant", "repeat", "time_s", "instance", "device", "utilization", "memory_bytes", "source",
 )  # fmt: skip
+
+
+def derive_timings(frame: pd.DataFrame) -> pd.DataFrame:
+    """A copy of `frame` (RECORD_COLUMNS) with ttft_s, e2e_s and tpot_s computed from the raw
+    stamps, as vLLM's benchmark counts them: TTFT = first token − send, E2E = finish −
+    send, TPOT = (E2E − TTFT) / (output tokens − 1) for outputs longer than one token.
+    Failed requests get NaN. The one formula both `requests.parquet` and the analysis use."""
+    import pandas as pd
+
+    out = frame.copy()
+    sent = out["sent_s"].astype(float)
+    first = pd.to_numeric(out["first_token_s"], errors="coerce").astype(float)
+    finish = pd.to_numeric(out["finish_s"], errors="coerce").astype(float)
+    ok = out["ok"].astype(bool)
+    ttft = (first - sent).where(ok)
+    e2e = (finish - sent).where(ok)
+    tokens = out["output_tokens"].astype(float)
+    out["ttft_s"] = ttft
+    out["e2e_s"] = e2e
+    out["tpot_s"] = ((e2e - ttft) / (tokens - 1)).where(ok & (tokens > 1))
+    return out

@@ -11,30 +11,37 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import importlib
 import importlib.metadata
 import platform
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from btb_lab import __version__
-from btb_lab.backends import BACKENDS, Backend, RunContext
+from btb_lab.backends import Backend, RunContext, get_backend
+from btb_lab.config.hypothesis import Hypothesis
+from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import UserError
-from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis, resolve_variant
-from btb_lab.hypothesis.schema import Hypothesis
+from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis
+from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.records import Request
+from btb_lab.workload.loader import load_requests
+
+if TYPE_CHECKING:
+    from btb_lab.analysis.models import Summary, Verdict
 from btb_lab.results import (
     JsonlRecordSink,
+    Manifest,
+    RunEntry,
     finalize_parquet,
     new_run_dir,
     new_run_id,
-    write_manifest,
     write_utilization_part,
 )
 
@@ -44,7 +51,6 @@ __all__ = [
     "RunOutcome",
     "RunPlan",
     "derive_seed",
-    "get_backend",
     "plan_run",
     "run_hypothesis",
 ]
@@ -72,8 +78,8 @@ class RunOptions:
 @dataclass
 class RunOutcome:
     run_dir: Path
-    verdict: Any  # btb_lab.analysis.verdict.Verdict (None for a dry run)
-    summary: dict[str, Any]
+    verdict: Verdict | None  # None for a dry run
+    summary: Summary | None  # None for a dry run
     plan: RunPlan | None = None
 
 
@@ -124,19 +130,6 @@ def derive_seed(master: int, *parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def get_backend(name: str) -> Backend:
-    """Import `btb_lab.<name>.backend` (which registers it) and build the backend."""
-    if name not in BACKENDS:
-        try:
-            importlib.import_module(f"btb_lab.{name}.backend")
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("btb_lab"):
-                raise UserError(f"backend {name!r} is not available in this installation") \
-                    from None  # fmt: skip
-            raise
-    return BACKENDS.get(name)()
-
-
 def _overrides(options: RunOptions) -> dict[str, Any]:
     merged = dict(options.overrides)
     if options.repeats is not None:
@@ -176,13 +169,7 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
 
 
 def _load_requests(loaded: LoadedHypothesis, seed: int) -> list[Request]:
-    try:
-        workload = importlib.import_module("btb_lab.workload")
-        load = workload.load_requests
-    except (ModuleNotFoundError, AttributeError):
-        raise UserError("workload loading is not available in this installation") from None
-    requests: list[Request] = load(loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed)
-    return requests
+    return load_requests(loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed)
 
 
 def _versions() -> dict[str, str]:
@@ -269,45 +256,44 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         if plan.requests_per_run is None:
             seed = derive_seed(plan.seed, "workload", 0)
             plan.requests_per_run = len(_load_requests(plan.loaded, seed))
-        return RunOutcome(run_dir=Path(), verdict=None, summary={}, plan=plan)
+        return RunOutcome(run_dir=Path(), verdict=None, summary=None, plan=plan)
     hyp, loaded = plan.hypothesis, plan.loaded
+    # Every variant's resolved blocks and cost model, built once before anything runs (a
+    # topology that does not fit fails here, not after the first variant ran).
+    worlds = {name: _variant_world(hyp, name) for name in plan.variants}
     backend = get_backend(plan.backend)
     run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
     run_id = run_dir.name if options.out is None else new_run_id()
-    manifest: dict[str, Any] = {
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "hypothesis_id": hyp.id,
-        "hypothesis_file": str(loaded.path),
-        "hypothesis": hyp.model_dump(mode="json", by_alias=True),
-        "cli": {"argv": list(sys.argv), "options": _options_json(options)},
-        "backend": plan.backend,
-        "variants": plan.variants,
-        "repeats": plan.repeats,
-        "master_seed": plan.seed,
-        "requests_per_run": plan.requests_per_run,
-        "runs_planned": len(plan.variants) * plan.repeats,
-        "runs": [],
-        "fidelity": {},
-        "telemetry_source": None,
-        "versions": _versions(),
-        "git": _git_commit(loaded.base_dir),
-        "host": {"hostname": socket.gethostname(), "platform": platform.platform()},
-        "started": _now(),
-        "finished": None,
-        "complete": False,
-    }
-    write_manifest(run_dir, manifest)
+    manifest = Manifest(
+        run_id=run_id,
+        run_dir=str(run_dir),
+        hypothesis_id=hyp.id,
+        hypothesis_file=str(loaded.path),
+        hypothesis=hyp.model_dump(mode="json", by_alias=True),
+        aliases=hyp.aliases,
+        cli={"argv": list(sys.argv), "options": _options_json(options)},
+        backend=plan.backend,
+        variants=plan.variants,
+        repeats=plan.repeats,
+        master_seed=plan.seed,
+        requests_per_run=plan.requests_per_run,
+        runs_planned=len(plan.variants) * plan.repeats,
+        versions=_versions(),
+        git=_git_commit(loaded.base_dir),
+        host={"hostname": socket.gethostname(), "platform": platform.platform()},
+        started=_now(),
+    )
+    manifest.save(run_dir)
     interrupted = False
     try:
         with _Progress(options.progress) as progress:
             for repeat in range(plan.repeats):
                 workload_seed = derive_seed(plan.seed, "workload", repeat)
                 requests = _load_requests(loaded, workload_seed)
-                manifest["requests_per_run"] = len(requests)
+                manifest.requests_per_run = len(requests)
                 for name in plan.variants:
-                    _run_one(backend, hyp, name, repeat, requests, run_dir, manifest,
-                             progress, workload_seed)  # fmt: skip
+                    _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
+                             manifest, progress, workload_seed)  # fmt: skip
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -315,13 +301,16 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         close = getattr(backend, "close", None)
         if callable(close):
             close()
-        manifest["finished"] = _now()
-        manifest["complete"] = not interrupted and len(manifest["runs"]) == manifest[
-            "runs_planned"
-        ] and all(r["status"] != "interrupted" for r in manifest["runs"])  # fmt: skip
-        manifest["interrupted"] = interrupted
-        write_manifest(run_dir, manifest)
+        # Records first, then the manifest that says they are complete.
         finalize_parquet(run_dir, plan.variants)
+        manifest.finished = _now()
+        manifest.interrupted = interrupted
+        manifest.complete = (
+            not interrupted
+            and len(manifest.runs) == manifest.runs_planned
+            and all(r.status != "interrupted" for r in manifest.runs)
+        )
+        manifest.save(run_dir)
 
     from btb_lab.report.render import build_report
 
@@ -338,52 +327,74 @@ def _options_json(options: RunOptions) -> dict[str, Any]:
     return data
 
 
+def _variant_world(hyp: Hypothesis, name: str) -> tuple[Hypothesis, RooflineCostModel]:
+    """The hypothesis as variant `name` sees it, and its cost model."""
+    resolved = resolve_variant(hyp, name)
+    return resolved, build_cost_model(resolved)
+
+
+ERROR_FILE = "error-{variant}-r{repeat}.txt"
+
+
 def _run_one(
     backend: Backend,
     hyp: Hypothesis,
+    world: tuple[Hypothesis, RooflineCostModel],
     name: str,
     repeat: int,
     requests: list[Request],
     run_dir: Path,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     progress: _Progress,
     workload_seed: int,
 ) -> None:
     seed = derive_seed(hyp.seed, "variant", repeat, name)
-    entry: dict[str, Any] = {
-        "variant": name, "repeat": repeat, "seed": seed, "workload_seed": workload_seed,
-        "requests": len(requests), "status": "running", "started": _now(),
-    }  # fmt: skip
-    manifest["runs"].append(entry)
-    write_manifest(run_dir, manifest)
+    entry = RunEntry(
+        variant=name, repeat=repeat, seed=seed, workload_seed=workload_seed,
+        requests=len(requests), status="running", started=_now(),
+    )  # fmt: skip
+    manifest.runs.append(entry)
+    manifest.save(run_dir)
     sink = JsonlRecordSink(run_dir, name, repeat)
-    resolved = resolve_variant(hyp, name)
+    resolved, costs = world
     ctx = RunContext(
         hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
-        seed=seed, run_dir=run_dir, sink=sink,
+        seed=seed, run_dir=run_dir, sink=sink, costs=costs,
         progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
     )  # fmt: skip
     try:
         result = backend.run_variant(ctx, list(requests))
     except KeyboardInterrupt:
-        entry["status"] = "interrupted"
+        entry.status = "interrupted"
         raise
     except UserError:
-        entry["status"] = "failed"
+        entry.status = "failed"
         raise
-    except Exception as exc:  # a crashed run is recorded; the verdict says INCONCLUSIVE
-        entry["status"] = "failed"
-        entry["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"run {name} repeat {repeat} failed: {entry['error']}", file=sys.stderr)
+    except Exception as exc:  # a crashed run is recorded with its traceback: INCONCLUSIVE
+        entry.status = "failed"
+        entry.error = f"{type(exc).__name__}: {exc}"
+        entry.error_file = _safe_name(ERROR_FILE.format(variant=name, repeat=repeat))
+        (run_dir / entry.error_file).write_text(traceback.format_exc(), encoding="utf-8")
+        print(
+            f"run {name} repeat {repeat} failed: {entry.error} "
+            f"(traceback: {run_dir / entry.error_file})",
+            file=sys.stderr,
+        )
         return
     finally:
         sink.close()
-        entry["records"] = sink.count
-        entry["finished"] = _now()
+        entry.records = sink.count
+        entry.finished = _now()
+        manifest.save(run_dir)
     write_utilization_part(run_dir, name, repeat, result.utilization)
-    entry["status"] = "ok"
-    manifest["fidelity"][name] = dict(result.fidelity)
-    manifest["telemetry_source"] = result.telemetry_source
+    entry.status = "ok"
+    manifest.fidelity[name] = dict(result.fidelity)
+    manifest.telemetry_source = result.telemetry_source
     if result.extra:
-        entry["extra"] = result.extra
-    write_manifest(run_dir, manifest)
+        entry.extra = result.extra
+    manifest.save(run_dir)
+
+
+def _safe_name(name: str) -> str:
+    """A file name from a variant name (which may hold any characters)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -20,22 +20,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from btb_lab.analysis.metrics import (
-    GPU_METRIC_NAMES,
-    HIGHER_IS_BETTER,
-    LATENCIES,
-    REQUEST_METRIC_NAMES,
-    gpu_stats_from_means,
-    latency_stat,
-    metric_label,
-)
-from btb_lab.hypothesis.schema import Guard, VerdictRule
+from btb_lab.analysis.metrics import gpu_stats_from_means, latency_stat
+from btb_lab.analysis.models import Comparison, GuardResult, VariantVerdict, Verdict, VerdictWord
+from btb_lab.config.hypothesis import Guard, VerdictRule
+from btb_lab.config.metrics import METRICS, MetricDef
 
 __all__ = [
     "VALIDATED",
@@ -49,74 +41,17 @@ __all__ = [
     "point_value",
 ]
 
-VALIDATED = "VALIDATED"
-PARTIAL = "PARTIALLY VALIDATED"
-REJECTED = "REJECTED"
-INCONCLUSIVE = "INCONCLUSIVE"
+VALIDATED: VerdictWord = "VALIDATED"
+PARTIAL: VerdictWord = "PARTIALLY VALIDATED"
+REJECTED: VerdictWord = "REJECTED"
+INCONCLUSIVE: VerdictWord = "INCONCLUSIVE"
 _RANK = {VALIDATED: 3, PARTIAL: 2, REJECTED: 1, INCONCLUSIVE: 0}
 
 Stat = Callable[[np.ndarray], float]
 
 
-@dataclass
-class GuardResult:
-    metric: str
-    klass: str | None
-    baseline: float | None
-    value: float | None
-    worse_by: float | None  # absolute for ok_rate, relative otherwise; positive = worse
-    max_worse: float
-    holds: bool
-
-
-@dataclass
-class Comparison:
-    """One metric, one variant against the baseline."""
-
-    scope: str  # "all" or a class name
-    baseline: float | None
-    value: float | None
-    change: float | None  # relative
-    ci_low: float | None
-    ci_high: float | None
-    outcome: str  # holds | reversed | noise | small | undefined
-    ok_baseline: int = 0
-    ok_variant: int = 0
-    paired: bool = False  # the bootstrap resampled the same request ids for both variants
-
-
-@dataclass
-class VariantVerdict:
-    variant: str
-    word: str
-    reason: str
-    primary: Comparison | None = None
-    guards: list[GuardResult] = field(default_factory=list)
-    per_class: list[Comparison] = field(default_factory=list)
-
-
-@dataclass
-class Verdict:
-    word: str
-    reason: str
-    variants: dict[str, VariantVerdict] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "word": self.word,
-            "reason": self.reason,
-            "variants": {k: _clean_dict(asdict(v)) for k, v in self.variants.items()},
-        }
-
-
-def _clean_dict(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _clean_dict(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean_dict(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 # ---------------------------------------------------------------------------- metric units
@@ -125,14 +60,15 @@ def _clean_dict(obj: Any) -> Any:
 def _stat_for(metric: str) -> Stat:
     """The metric over a block of units; NaN rows (a request missing from a variant, or
     for latencies one that failed there) do not count."""
-    if metric == "ok_rate":
+    definition = METRICS[metric]
+    if definition.kind == "ok_rate":
 
         def ok_rate(rows: np.ndarray) -> float:
             sent = rows[:, 0][~np.isnan(rows[:, 0])]
             return float(sent.mean()) if sent.size else math.nan
 
         return ok_rate
-    if metric == "cache_hit_rate":
+    if definition.kind == "cache_hit_rate":
 
         def hit_rate(rows: np.ndarray) -> float:
             rows = rows[~np.isnan(rows).any(axis=1)]
@@ -140,18 +76,26 @@ def _stat_for(metric: str) -> Stat:
             return float(rows[:, 0].sum() / total) if total > 0 else math.nan
 
         return hit_rate
-    if metric in GPU_METRIC_NAMES:
-        key = metric.split("_", 1)[1]
+    if definition.kind == "gpu":
+        key = definition.statistic
 
         def gpu(rows: np.ndarray) -> float:
             if len(rows) == 0:
                 return math.nan
-            value = gpu_stats_from_means(np.nanmean(rows, axis=0))[key]
+            value = getattr(gpu_stats_from_means(np.nanmean(rows, axis=0)), key)
             return math.nan if value is None else float(value)
 
         return gpu
-    _, stat = metric.split("_", 1)
+    stat = definition.statistic
     return lambda rows: latency_stat(rows[:, 0], stat)
+
+
+def _unit_columns(definition: MetricDef) -> list[str]:
+    """The record columns one resampling unit of a request metric holds."""
+    if definition.kind == "cache_hit_rate":
+        return ["cached_tokens", "input_tokens"]
+    assert definition.column is not None
+    return [definition.column]
 
 
 def metric_units(
@@ -164,7 +108,8 @@ def metric_units(
     """The resampling units of one metric for one variant, one 2-D array per repeat:
     successful requests' latencies, every request's ok flag, (cached, input) token pairs,
     or for GPU metrics the utilization time samples (time × instance)."""
-    if metric in GPU_METRIC_NAMES:
+    definition = METRICS[metric]
+    if definition.kind == "gpu":
         rows = util[util["variant"] == variant] if not util.empty else util
         units = []
         for _, rep in rows.groupby("repeat", sort=True):
@@ -178,16 +123,14 @@ def metric_units(
     if klass is not None:
         rows = rows[rows["class"] == klass]
     units = []
+    columns = _unit_columns(definition)
     for _, rep in rows.groupby("repeat", sort=True):
-        if metric == "ok_rate":
-            arr = rep[["ok"]].to_numpy(dtype=float)
-        elif metric == "cache_hit_rate":
-            arr = rep[["cached_tokens", "input_tokens"]].to_numpy(dtype=float)
-        else:
-            lat = metric.split("_", 1)[0]
+        if definition.kind == "latency":
             good = rep[rep["ok"].astype(bool)]
-            arr = good[[f"{lat}_s"]].to_numpy(dtype=float)
+            arr = good[columns].to_numpy(dtype=float)
             arr = arr[~np.isnan(arr[:, 0])]
+        else:
+            arr = rep[columns].to_numpy(dtype=float)
         units.append(arr)
     return units
 
@@ -231,15 +174,11 @@ def paired_units(
 
     None when the metric is a GPU one, request ids are absent or repeat within a run, or
     the two variants share no request id: the caller resamples each variant on its own."""
-    if metric in GPU_METRIC_NAMES or "request_id" not in records.columns:
+    definition = METRICS[metric]
+    if definition.level == "gpu" or "request_id" not in records.columns:
         return None
     keys = ["repeat", "request_id"]
-    if metric == "ok_rate":
-        columns = ["ok"]
-    elif metric == "cache_hit_rate":
-        columns = ["cached_tokens", "input_tokens"]
-    else:
-        columns = [f"{metric.split('_', 1)[0]}_s"]
+    columns = _unit_columns(definition)
 
     def table(name: str) -> pd.DataFrame:
         rows = records[records["variant"] == name]
@@ -248,9 +187,9 @@ def paired_units(
             "request_id": rows["request_id"].astype(str).to_numpy(),
             "klass": rows["class"].to_numpy() if "class" in rows.columns else None,
         })  # fmt: skip
-        if metric == "ok_rate":
+        if definition.kind == "ok_rate":
             out["ok"] = rows["ok"].astype(bool).astype(float).to_numpy()
-        elif metric == "cache_hit_rate":
+        elif definition.kind == "cache_hit_rate":
             for c in columns:
                 out[c] = rows[c].to_numpy(dtype=float)
         else:
@@ -323,11 +262,12 @@ class _RankPercentile:
 
 def _row_stat(metric: str, units: np.ndarray) -> Callable[[np.ndarray], float]:
     """The metric over the rows `rows` of row-aligned units."""
-    if metric in REQUEST_METRIC_NAMES and metric.split("_", 1)[0] in LATENCIES:
-        stat = metric.split("_", 1)[1]
-        if stat.startswith("p"):
-            return _RankPercentile(units[:, 0], float(stat[1:]))
-    if metric == "ok_rate" or metric.endswith("_mean"):
+    definition = METRICS[metric]
+    if definition.percentile is not None:
+        return _RankPercentile(units[:, 0], definition.percentile)
+    if definition.kind == "ok_rate" or (
+        definition.kind == "latency" and definition.statistic == "mean"
+    ):
         # a mean over the rows that count: successful requests, or for OK rate those sent
         return _ratio_stat(np.nan_to_num(units[:, 0]), ~np.isnan(units[:, 0]))
     full = _stat_for(metric)
@@ -402,7 +342,7 @@ def _num(x: float | None) -> str:
 
 
 def _fmt_change(metric: str, cmp: Comparison) -> str:
-    label = metric_label(metric)
+    label = METRICS[metric].label
     if cmp.scope != "all":
         label = f"{cmp.scope} {label}"
     return f"{label} {_pct(cmp.change)} [{_pct(cmp.ci_low)}, {_pct(cmp.ci_high)}]"
@@ -462,11 +402,11 @@ def _compare(
 
     return Comparison(
         scope=klass or "all",
-        baseline=base if math.isfinite(base) else None,
-        value=value if math.isfinite(value) else None,
-        change=change if math.isfinite(change) else None,
-        ci_low=low if math.isfinite(low) else None,
-        ci_high=high if math.isfinite(high) else None,
+        baseline=_finite(base),
+        value=_finite(value),
+        change=_finite(change),
+        ci_low=_finite(low),
+        ci_high=_finite(high),
         outcome=_outcome(rule, metric, low, high),
         ok_baseline=ok_count(baseline),
         ok_variant=ok_count(variant),
@@ -486,27 +426,25 @@ def _guard(
     worse: float | None
     if not (math.isfinite(base) and math.isfinite(value)):
         worse = None
-    elif guard.metric == "ok_rate":
+    elif METRICS[guard.metric].kind == "ok_rate":
         worse = base - value
     elif base == 0:
         worse = 0.0 if value == 0 else math.inf
     else:
         rel = (value - base) / abs(base)
-        worse = -rel if guard.metric in HIGHER_IS_BETTER else rel
+        worse = -rel if METRICS[guard.metric].higher_is_better else rel
     holds = worse is not None and worse <= guard.max_worse + 1e-12
     return GuardResult(
-        metric=guard.metric, klass=guard.klass,
-        baseline=base if math.isfinite(base) else None,
-        value=value if math.isfinite(value) else None,
+        metric=guard.metric, klass=guard.klass, baseline=_finite(base), value=_finite(value),
         worse_by=worse, max_worse=guard.max_worse, holds=holds,
     )  # fmt: skip
 
 
 def _guard_text(g: GuardResult) -> str:
-    label = metric_label(g.metric) + (f" ({g.klass})" if g.klass else "")
+    label = METRICS[g.metric].label + (f" ({g.klass})" if g.klass else "")
     if g.worse_by is None:
         return f"{label} undefined"
-    if g.metric == "ok_rate":
+    if METRICS[g.metric].kind == "ok_rate":
         return f"{label} worse by {g.worse_by * 100:.1f} pt (limit {g.max_worse * 100:.1f} pt)"
     return f"{label} worse by {g.worse_by * 100:.1f}% (limit {g.max_worse * 100:.1f}%)"
 
@@ -523,20 +461,23 @@ def _variant_verdict(
     tag = f"({variant} vs {baseline})"
     broken = sorted({baseline, variant} & failed)
     if broken:
-        return VariantVerdict(variant, INCONCLUSIVE, f"{', '.join(broken)}: failed or missing runs")
+        return VariantVerdict(
+            variant=variant,
+            word=INCONCLUSIVE,
+            reason=f"{', '.join(broken)}: failed or missing runs",
+        )
     primary = _compare(records, util, rule, baseline, variant, rule.metric, rule.klass, seed)
     scope = f" {rule.klass}" if rule.klass else ""
     if min(primary.ok_baseline, primary.ok_variant) < rule.min_ok_requests:
         return VariantVerdict(
-            variant, INCONCLUSIVE,
-            f"too few successful{scope} requests: {primary.ok_variant} for {variant}, "
+            variant=variant, word=INCONCLUSIVE, primary=primary,
+            reason=f"too few successful{scope} requests: {primary.ok_variant} for {variant}, "
             f"{primary.ok_baseline} for {baseline} (need {rule.min_ok_requests})",
-            primary,
         )  # fmt: skip
     text = f"{_fmt_change(rule.metric, primary)} {tag}"
     effect = f"{rule.min_effect * 100:g}%"
     if primary.outcome == "undefined":
-        label = metric_label(rule.metric) + (f" ({rule.klass})" if rule.klass else "")
+        label = METRICS[rule.metric].label + (f" ({rule.klass})" if rule.klass else "")
         values = f"{_num(primary.baseline)} for {baseline}, {_num(primary.value)} for {variant}"
         why = (
             "an instance with zero mean utilization makes max/min infinite"
@@ -544,8 +485,9 @@ def _variant_verdict(
             else "no usable samples or a zero baseline"
         )
         return VariantVerdict(
-            variant, INCONCLUSIVE, f"{label} undefined {tag}: {values} ({why})", primary
-        )
+            variant=variant, word=INCONCLUSIVE, primary=primary,
+            reason=f"{label} undefined {tag}: {values} ({why})",
+        )  # fmt: skip
     guards = [_guard(records, util, g, baseline, variant) for g in rule.guards]
     per_class = [
         _compare(records, util, rule, baseline, variant, rule.metric, c, seed)
@@ -554,7 +496,10 @@ def _variant_verdict(
     held = [c.scope for c in per_class if c.outcome == "holds"]
     reversed_ = [c.scope for c in per_class if c.outcome == "reversed"]
     failed_guards = [g for g in guards if not g.holds]
-    verdict = VariantVerdict(variant, REJECTED, "", primary, guards, per_class)
+    verdict = VariantVerdict(
+        variant=variant, word=REJECTED, reason="", primary=primary, guards=guards,
+        per_class=per_class,
+    )  # fmt: skip
     if primary.outcome == "holds":
         if failed_guards:
             verdict.word = PARTIAL
@@ -608,13 +553,16 @@ def evaluate_verdict(
         v: _variant_verdict(records, util, rule, baseline, v, seed, failed_set) for v in others
     }
     if not others:
-        return Verdict(INCONCLUSIVE, f"no variant to compare with the baseline {baseline!r}")
+        return Verdict(
+            word=INCONCLUSIVE, reason=f"no variant to compare with the baseline {baseline!r}"
+        )
     if incomplete:
         done = sorted(set(records["variant"].unique()) if len(records) else set())
         return Verdict(
-            INCONCLUSIVE,
-            "run incomplete (interrupted); variants with records: " + (", ".join(done) or "none"),
-            results,
+            word=INCONCLUSIVE,
+            reason="run incomplete (interrupted); variants with records: "
+            + (", ".join(done) or "none"),
+            variants=results,
         )
     best = max(results.values(), key=lambda r: (_RANK[r.word], -others.index(r.variant)))
-    return Verdict(best.word, best.reason, results)
+    return Verdict(word=best.word, reason=best.reason, variants=results)

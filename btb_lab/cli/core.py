@@ -9,11 +9,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from btb_lab.errors import UserError
+
+if TYPE_CHECKING:
+    from btb_lab.analysis.models import Summary
 
 __all__ = ["log_app", "register"]
 
@@ -89,7 +92,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check hypothesis files; exit 2 with one FILE:LINE: field: message per problem."""
         if explain:
-            from btb_lab.hypothesis.schema import Hypothesis
+            from btb_lab.config.hypothesis import Hypothesis
 
             typer.echo("\n".join(_explain(Hypothesis)))
             return
@@ -152,6 +155,7 @@ def register(app: typer.Typer) -> None:
             assert outcome.plan is not None
             typer.echo("\n".join(outcome.plan.describe()))
             return
+        assert outcome.summary is not None
         _print_summary(outcome.summary)
         typer.echo(f"report: {outcome.run_dir / 'report.md'}")
 
@@ -244,7 +248,7 @@ def register(app: typer.Typer) -> None:
         Console(width=160).print(table)
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def _print_summary(summary: Summary) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -252,15 +256,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
         return "n/a" if x is None else f"{x:.{digits}f}"
 
     table = Table("variant", "OK/N", "TTFT50", "TTFT90", "TPOT90", "E2E50", "GPU imb.")
-    for name, v in summary["variants"].items():
-        m = v["all"]
-        imb = v["gpu"]["imbalance"]
+    for name, v in summary.variants.items():
+        m = v.all
+        imb = v.gpu.imbalance
         table.add_row(
-            name + (" (baseline)" if name == summary["baseline"] else ""),
-            f"{m['ok']}/{m['n']}", fmt(m["ttft_p50"]), fmt(m["ttft_p90"]),
-            fmt(m["tpot_p90"], 4), fmt(m["e2e_p50"]), "n/a" if imb is None else f"{imb:.2f}x",
+            name + (" (baseline)" if name == summary.baseline else ""),
+            f"{m.ok}/{m.n}", fmt(m.ttft_p50), fmt(m.ttft_p90), fmt(m.tpot_p90, 4),
+            fmt(m.e2e_p50), "n/a" if imb is None else f"{imb:.2f}x",
         )  # fmt: skip
     console = Console(width=120)
     console.print(table)
-    verdict = summary["verdict"]
-    console.print(f"[bold]Verdict: {verdict['word']}[/bold]. {verdict['reason']}.")
+    console.print(f"[bold]Verdict: {summary.verdict.word}[/bold]. {summary.verdict.reason}.")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from btb_lab.backends import BACKENDS, BackendResult, RunContext
+from btb_lab.backends import BackendResult, RunContext
 from btb_lab.cluster.driver import ClientPool, LoadDriver, RunClock, event_loop_name, run_async
 from btb_lab.cluster.launcher import (
     Endpoint,
@@ -38,15 +38,13 @@ from btb_lab.cluster.telemetry import (
     scrape_all,
 )
 from btb_lab.errors import UserError
-from btb_lab.policies.base import CostModel
 from btb_lab.records import Request
 
 if TYPE_CHECKING:
-    from btb_lab.hypothesis.schema import ClusterSpec, Hypothesis
+    from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
 
 __all__ = [
     "ClusterBackend",
-    "build_costs",
     "make_client",
     "prompt_function",
     "resolve_served_model",
@@ -103,13 +101,6 @@ def prompt_function(seed: int, vocab_size: int) -> Callable[[Request], list[int]
         return prompt_token_ids(request, seed=seed, vocab_size=vocab_size, reserved_ids=reserved)
 
     return fn
-
-
-def build_costs(hypothesis: Hypothesis) -> CostModel:
-    """The simulator's cost model, so cost-based policies decide alike in both worlds."""
-    from btb_lab.sim.costs import build_cost_model
-
-    return build_cost_model(hypothesis)
 
 
 def make_client(
@@ -242,7 +233,7 @@ class ClusterBackend:
         periodic: list[tuple[float, dict[str, Any]]] = []
         async with client:
             router = Router(
-                endpoints, policy, build_costs(hyp), client=client, clock=clock, model=model,
+                endpoints, policy, ctx.costs, client=client, clock=clock, model=model,
                 prompt_fn=prompt_function(ctx.seed, vocab), connector=hyp.cluster.kv_connector.type,
                 cache_blocks=launch.router_cache_blocks, variant=ctx.variant_name,
                 repeat=ctx.repeat,
@@ -314,6 +305,3 @@ async def _scrape_periodically(
     while True:
         await asyncio.sleep(interval_s)
         out.append((clock.now(), await scrape_all(client, endpoints)))
-
-
-BACKENDS.add("cluster", ClusterBackend)

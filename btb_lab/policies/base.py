@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import ValidationError
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.records import Request
 from btb_lab.registry import Registry
 

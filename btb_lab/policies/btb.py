@@ -32,7 +32,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, Policy, WarmAction
 from btb_lab.policies.cache_aware import CacheAwareParams, cache_aware_decision
 from btb_lab.policies.common import least_load, require_params, serving

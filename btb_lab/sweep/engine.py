@@ -37,6 +37,8 @@ from btb_lab.sweep.table import build_table, write_outputs
 if TYPE_CHECKING:
     import pandas as pd
 
+    from btb_lab.analysis.models import Summary
+
 __all__ = [
     "RunPointFn",
     "SweepOutcome",
@@ -102,13 +104,15 @@ def _point_record(task: PointTask, base_digest: str) -> dict[str, Any]:
 
 def is_point_complete(task: PointTask, base_digest: str) -> bool:
     """True when the point's run finished and was made from the same inputs."""
+    from btb_lab.results import Manifest
+
     run_dir = Path(task.run_dir)
     try:
-        manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+        manifest = Manifest.load(run_dir)
         point = json.loads((run_dir / "point.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, UserError):
         return False
-    if manifest.get("complete") is not True or not (run_dir / "summary.json").is_file():
+    if not manifest.complete or not (run_dir / "summary.json").is_file():
         return False
     expected = _point_record(task, base_digest)
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
@@ -229,14 +233,15 @@ def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
-def read_summaries(tasks: Sequence[PointTask]) -> dict[str, dict[str, Any] | None]:
-    """Each point's summary.json (None where the point has none)."""
-    out: dict[str, dict[str, Any] | None] = {}
+def read_summaries(tasks: Sequence[PointTask]) -> dict[str, Summary | None]:
+    """Each point's summary.json (None where the point has none or it is unreadable)."""
+    from btb_lab.analysis.models import Summary
+
+    out: dict[str, Summary | None] = {}
     for task in tasks:
-        path = Path(task.run_dir) / "summary.json"
         try:
-            out[task.point_id] = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            out[task.point_id] = Summary.load(Path(task.run_dir))
+        except UserError:
             out[task.point_id] = None
     return out
 

@@ -15,17 +15,13 @@ from btb_lab.workload.loader import (
     load_requests,
     validate_workload_spec,
 )
-from btb_lab.workload.spec import GeneratorSpec, TraceSpec, WorkloadSpec
 
 __all__ = [
     "FORMATS",
     "GENERATORS",
     "GenContext",
-    "GeneratorSpec",
     "LoadedTrace",
     "RequestList",
-    "TraceSpec",
-    "WorkloadSpec",
     "apply_time_scale",
     "generate",
     "load_requests",

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from btb_lab.config.workload import WorkloadSpec
 from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.records import Request
 from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
 from btb_lab.workload.generators import GENERATORS, GenContext, parse_params
-from btb_lab.workload.spec import WorkloadSpec
 
 __all__ = ["RequestList", "apply_time_scale", "load_requests", "validate_workload_spec"]
 

@@ -20,7 +20,8 @@ from btb_lab.cluster.fake_server import FakeConfig, FakeVLLM, serve_in_thread
 from btb_lab.cluster.launcher import Endpoint
 from btb_lab.cluster.router import Router
 from btb_lab.config import StrictModel
-from btb_lab.hypothesis.schema import Hypothesis
+from btb_lab.config.hypothesis import Hypothesis
+from btb_lab.model.costmodel import build_cost_model
 from btb_lab.policies.base import ClusterView, Decision, NoParams, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
 
@@ -304,7 +305,7 @@ def test_backend_attached_run_end_to_end(fakes: Any, tmp_path: Path) -> None:
     sink = ListSink()
     ctx = RunContext(
         hypothesis=hyp, variant_name="ll", variant=hyp.variants["ll"], repeat=0, seed=1,
-        run_dir=tmp_path, sink=sink,
+        run_dir=tmp_path, sink=sink, costs=build_cost_model(hyp),
     )  # fmt: skip
     requests = [req(i, 0.02 * i, blocks=(5, 6)) for i in range(8)]
     result = ClusterBackend().run_variant(ctx, requests)

@@ -87,7 +87,7 @@ backend: sim
 model: llama-3.3-70b
 cluster:
   instances:
-    - {role: C, count: 2, gpu: H100, gpus: 1}
+    - {role: C, count: 2, gpu: H100, gpus: 4}
 workload:
   generator:
     kind: poisson
@@ -157,7 +157,7 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
     records = pd.read_parquet(run_dir / "requests.parquet")
     assert len(records) == 240
     assert set(records["variant"]) == {"base", "fast"}
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())  # the file, as users read it
     assert summary["verdict"]["word"] == "VALIDATED"
     assert summary["variants"]["fast"]["all"]["n"] == 120
     assert set(summary["variants"]["fast"]["classes"]) == {"LONG", "SHORT"}
@@ -171,8 +171,8 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
 def test_same_seed_same_numbers_and_shared_requests(tmp_path: Path, fake_effects) -> None:
     a = run_fake(tmp_path, out="a", repeats=2)
     b = run_fake(tmp_path, out="b", repeats=2)
-    assert a.summary["variants"] == b.summary["variants"]
-    assert a.summary["verdict"] == b.summary["verdict"]
+    assert a.summary.variants == b.summary.variants
+    assert a.summary.verdict == b.summary.verdict
     # per repeat, both variants saw identical requests; repeats differ from each other
     by_key = {(v, r): ids for v, r, _, ids in SEEN[:4]}
     assert by_key[("base", 0)] == by_key[("fast", 0)]
@@ -186,12 +186,12 @@ def test_same_seed_same_numbers_and_shared_requests(tmp_path: Path, fake_effects
 def test_cli_seed_changes_numbers(tmp_path: Path, fake_effects) -> None:
     a = run_fake(tmp_path, out="a")
     b = run_fake(tmp_path, out="b", seed=99)
-    assert a.summary["variants"]["base"]["all"] != b.summary["variants"]["base"]["all"]
+    assert a.summary.variants["base"].all != b.summary.variants["base"].all
 
 
 def test_variants_filter_keeps_baseline(tmp_path: Path, fake_effects) -> None:
     outcome = run_fake(tmp_path, variants=["fast"])
-    assert list(outcome.summary["variants"]) == ["base", "fast"]
+    assert list(outcome.summary.variants) == ["base", "fast"]
 
 
 def test_dry_run_plans_without_writing(tmp_path: Path, fake_effects) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from btb_lab.analysis.metrics import derive_timings, latency_stat
+from btb_lab.analysis.metrics import latency_stat
 from btb_lab.analysis.verdict import _RankPercentile, evaluate_verdict, paired_units
-from btb_lab.hypothesis.schema import VerdictRule
+from btb_lab.config.hypothesis import VerdictRule
+from btb_lab.records import derive_timings
 
 EMPTY_UTIL = pd.DataFrame(columns=["variant", "repeat", "time_s", "instance", "device",
                                    "utilization"])  # fmt: skip
@@ -139,7 +140,7 @@ def test_repeats_are_resampled_and_reproducible() -> None:
     rows = records("base", 1.0, seed=1, repeats=3) + records("new", 0.6, seed=2, repeats=3)
     a, b = judge(rows), judge(rows)
     assert a.word == "VALIDATED"
-    assert a.to_dict() == b.to_dict()
+    assert a.model_dump() == b.model_dump()
 
 
 def test_strongest_variant_decides() -> None:
@@ -213,7 +214,7 @@ def test_disjoint_request_ids_fall_back_to_unpaired() -> None:
     assert v.word == "VALIDATED"
     assert not p.paired
     assert p.ci_low < p.change < p.ci_high < -0.05
-    assert v.to_dict()["variants"]["new"]["primary"]["paired"] is False
+    assert v.model_dump()["variants"]["new"]["primary"]["paired"] is False
 
 
 def test_paired_repeats_are_resampled_too() -> None:
@@ -282,7 +283,7 @@ def test_same_seed_same_verdict_other_seed_other_interval() -> None:
     a, b, c = judge(rows), judge(rows), judge(rows, seed=2)
     assert a.variants["new"].primary.paired
     assert a == b
-    assert a.to_dict() == b.to_dict()
+    assert a.model_dump() == b.model_dump()
     assert a.variants["new"].primary.ci_low != c.variants["new"].primary.ci_low
 
 

@@ -1,7 +1,9 @@
 """The hypothesis file: a research claim as a typed, strict, falsifiable experiment.
 
 Every field carries a description (shown by `btb-lab validate --explain` and in the
-README's tour). Cross-field rules live in model validators.
+README's tour). Cross-field rules live in model validators; checks that need a registry
+(policy names and parameters, model and GPU presets, workload generators) live in the
+loader (`btb_lab.hypothesis.loader`), which imports those registries.
 """
 
 from __future__ import annotations
@@ -9,14 +11,23 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import (
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from btb_lab.cluster.settings import LaunchSettings
-from btb_lab.config import StrictModel
-from btb_lab.sim.settings import SimSettings
-from btb_lab.workload.spec import WorkloadSpec
+from btb_lab.config.base import StrictModel
+from btb_lab.config.costs import CostSettings, move_sim_aliases
+from btb_lab.config.launch import LaunchSettings
+from btb_lab.config.sim import SimSettings
+from btb_lab.config.workload import WorkloadSpec
 
 __all__ = [
+    "NUMERIC_FIELDS",
     "ClassRule",
     "ClusterSpec",
     "Condition",
@@ -88,12 +99,26 @@ class Variant(StrictModel):
     sim: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the `sim:` settings for this variant."
     )
+    costs: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the `costs:` block for this variant."
+    )
     cluster: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the `cluster:` block for this variant."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _cost_aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("sim"), dict):
+            data = dict(data)
+            move_sim_aliases(data)
+        return data
+
 
 Operator = Literal["<", "<=", ">", ">=", "==", "!="]
+NUMERIC_FIELDS = frozenset(
+    {"input_tokens", "output_tokens", "cached_tokens", "cached_fraction", "uncached_tokens", "turn"}
+)
 
 
 class Condition(StrictModel):
@@ -103,6 +128,22 @@ class Condition(StrictModel):
     ] = Field(description="Request field the rule tests.")  # fmt: skip
     op: Operator = Field(description="Comparison operator.")
     value: float | str = Field(description="Value compared against.")
+
+    @field_validator("op")
+    @classmethod
+    def _op_fits_field(cls, op: str, info: ValidationInfo) -> str:
+        field = info.data.get("field")
+        if field is not None and field not in NUMERIC_FIELDS and op not in ("==", "!="):
+            raise ValueError(f"{field} is text: use '==' or '!=' (got {op!r})")
+        return op
+
+    @field_validator("value")
+    @classmethod
+    def _value_fits_field(cls, value: float | str, info: ValidationInfo) -> float | str:
+        field = info.data.get("field")
+        if field in NUMERIC_FIELDS and isinstance(value, str):
+            raise ValueError(f"{field} compares with a number, got {value!r}")
+        return value
 
 
 class ClassRule(StrictModel):
@@ -115,11 +156,15 @@ class ClassRule(StrictModel):
 
 
 class Guard(StrictModel):
-    metric: str = Field(description="Metric name, e.g. ok_rate, ttft_p90, gpu_imbalance.")
+    metric: str = Field(
+        description="Metric name, e.g. ok_rate, ttft_p90, gpu_imbalance (checked against "
+        "`config.metrics` by the loader)."
+    )
     klass: str | None = Field(None, alias="class", description="Restrict to one class.")
     max_worse: float = Field(
+        ge=0,
         description="Largest allowed worsening vs baseline: absolute for ok_rate "
-        "(0.01 = one point), relative otherwise (0.05 = 5%)."
+        "(0.01 = one point), relative otherwise (0.05 = 5%).",
     )
 
 
@@ -174,6 +219,10 @@ class Hypothesis(StrictModel):
         "llama-3.3-70b", description="Model preset name or explicit shape."
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Topology.")
+    costs: CostSettings = Field(
+        default_factory=CostSettings,
+        description="The cost model both backends use (prefill, decode, KV transfer).",
+    )
     sim: SimSettings = Field(default_factory=SimSettings, description="Simulator fidelity.")
     workload: WorkloadSpec = Field(description="Requests to replay.")
     classes: list[ClassRule] = Field(default_factory=list, description="Ordered class rules.")
@@ -182,6 +231,34 @@ class Hypothesis(StrictModel):
     repeats: int = Field(1, ge=1, description="Repeats of every variant.")
     seed: int = Field(0, ge=0, description="Master seed.")
     verdict: VerdictRule = Field(description="Decision rule.")
+
+    # `sim.<cost parameter>` spellings moved to `costs` while validating (aliases)
+    _aliases: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cost_aliases(cls, data: Any, handler: ModelWrapValidatorHandler[Hypothesis]) -> Hypothesis:
+        notes: list[str] = []
+        if isinstance(data, dict):
+            data = dict(data)
+            notes = move_sim_aliases(data)
+            variants = data.get("variants")
+            if isinstance(variants, dict):
+                moved = {}
+                for name, variant in variants.items():
+                    if isinstance(variant, dict) and isinstance(variant.get("sim"), dict):
+                        variant = dict(variant)
+                        notes += move_sim_aliases(variant, where=f"variants.{name}.")
+                    moved[name] = variant
+                data["variants"] = moved
+        hyp = handler(data)
+        hyp._aliases = notes
+        return hyp
+
+    @property
+    def aliases(self) -> list[str]:
+        """Deprecated spellings this hypothesis used, e.g. `sim.mfu → costs.mfu`."""
+        return list(self._aliases)
 
     @model_validator(mode="after")
     def _baseline_exists(self) -> Hypothesis:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 
 __all__ = ["GeneratorSpec", "TraceSpec", "WorkloadSpec"]
 
