@@ -101,7 +101,8 @@ def test_metric_definitions() -> None:
     assert METRICS["gpu_imbalance"].label == "GPU imbalance"
     assert (METRICS["e2e_p99"].column, METRICS["e2e_p99"].percentile) == ("e2e_s", 99.0)
     assert METRICS["e2e_mean"].percentile is None
-    assert METRICS["ok_rate"].higher_is_better and not METRICS["ttft_p50"].higher_is_better
+    assert METRICS["ok_rate"].higher_is_better
+    assert not METRICS["ttft_p50"].higher_is_better
     assert {m.level for m in METRICS.values()} == {"request", "gpu"}
     assert len(METRICS) == len(LATENCIES) * len(LATENCY_STATS) + 5
 
