@@ -1,12 +1,9 @@
-"""The Backend interface: one implementation per world (sim, cluster), chosen by name.
+"""The Backend interface: one implementation per world (sim, cluster).
 
-The orchestrator (`btb_lab.runner`) calls `run_variant` once per variant × repeat with
-the requests to replay; the backend streams RequestRecords into the sink as they
-finish (so an interrupt never loses finished rows) and returns utilization samples
-plus the settings that describe its fidelity.
-
-Backends are imported on first use (the cluster backend pulls in httpx and the launcher),
-through the explicit factories of `BACKENDS`, so every import stays visible to mypy.
+The orchestrator (`btb_lab.runner`, which also holds the registry of backends by name)
+calls `run_variant` once per variant × repeat with the requests to replay; the backend
+streams RequestRecords into the sink as they finish (so an interrupt never loses finished
+rows) and returns utilization samples plus the settings that describe its fidelity.
 """
 
 from __future__ import annotations
@@ -17,13 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from btb_lab.records import Request, RequestRecord, UtilSample
-from btb_lab.registry import Registry
 
 if TYPE_CHECKING:
     from btb_lab.config.hypothesis import Hypothesis, Variant
     from btb_lab.model.costmodel import RooflineCostModel
 
-__all__ = ["BACKENDS", "Backend", "BackendResult", "RecordSink", "RunContext", "get_backend"]
+__all__ = ["Backend", "BackendResult", "RecordSink", "RunContext"]
 
 
 class RecordSink(Protocol):
@@ -67,25 +63,3 @@ class Backend(Protocol):
     name: str
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult: ...
-
-
-def _sim() -> Backend:
-    from btb_lab.sim.backend import SimBackend
-
-    return SimBackend()
-
-
-def _cluster() -> Backend:
-    from btb_lab.cluster.backend import ClusterBackend
-
-    return ClusterBackend()
-
-
-BACKENDS: Registry[Callable[[], Backend]] = Registry("backend")
-BACKENDS.add("sim", _sim)
-BACKENDS.add("cluster", _cluster)
-
-
-def get_backend(name: str) -> Backend:
-    """A new backend by name (an unknown name is a UserError listing the known ones)."""
-    return BACKENDS.get(name)()

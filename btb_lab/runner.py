@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from btb_lab import __version__
-from btb_lab.backends import Backend, RunContext, get_backend
+from btb_lab.backends import Backend, RunContext
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import UserError
 from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis
 from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.records import Request
+from btb_lab.registry import Registry
 from btb_lab.workload.loader import load_requests
 
 if TYPE_CHECKING:
@@ -46,14 +47,41 @@ from btb_lab.results import (
 )
 
 __all__ = [
+    "BACKENDS",
     "RunInterrupted",
     "RunOptions",
     "RunOutcome",
     "RunPlan",
     "derive_seed",
+    "get_backend",
     "plan_run",
     "run_hypothesis",
 ]
+
+
+def _sim() -> Backend:
+    from btb_lab.sim.backend import SimBackend
+
+    return SimBackend()
+
+
+def _cluster() -> Backend:
+    from btb_lab.cluster.backend import ClusterBackend
+
+    return ClusterBackend()
+
+
+# Backends by name. Each factory imports its backend on first use (the cluster backend
+# pulls in httpx and the launcher), and every import stays visible to mypy.
+BACKENDS: Registry[Callable[[], Backend]] = Registry("backend")
+BACKENDS.add("sim", _sim)
+BACKENDS.add("cluster", _cluster)
+
+
+def get_backend(name: str) -> Backend:
+    """A new backend by name (an unknown name is a UserError listing the known ones)."""
+    return BACKENDS.get(name)()
+
 
 _KEY_PACKAGES = ("numpy", "pandas", "pyarrow", "pydantic", "matplotlib", "vllm", "mooncake")
 

@@ -12,15 +12,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from btb_lab.backends import BACKENDS, BackendResult, RunContext
+from btb_lab.backends import BackendResult, RunContext
 from btb_lab.records import Request, RequestRecord, UtilSample
-from btb_lab.runner import RunInterrupted, RunOptions, derive_seed, run_hypothesis
+from btb_lab.runner import BACKENDS, RunInterrupted, RunOptions, derive_seed, run_hypothesis
 
 FAKE = "fake"
 # variant name -> TTFT multiplier; missing variants run at 1.0
 EFFECTS: dict[str, float] = {}
 # raise KeyboardInterrupt after writing this many records of this variant
 INTERRUPT: dict[str, int] = {}
+# variants whose run crashes with this exception after writing a few records
+CRASH: dict[str, Exception] = {}
 SEEN: list[tuple[str, int, int, tuple[tuple[str, float], ...]]] = []
 CLOSED: list[str] = []  # one entry per FakeBackend.close() call
 
@@ -46,6 +48,9 @@ class FakeBackend:
             if stop is not None and i == stop:
                 ctx.sink.write(batch)
                 raise KeyboardInterrupt
+            if ctx.variant_name in CRASH and i == 5:
+                ctx.sink.write(batch)
+                raise CRASH[ctx.variant_name]
             ttft = (0.2 + rng.expovariate(2.0)) * factor
             tpot = 0.02 + rng.random() * 0.01
             finish = req.arrival_s + ttft + tpot * max(req.output_tokens - 1, 0)
@@ -128,7 +133,9 @@ def fake_effects():
     INTERRUPT.clear()
     SEEN.clear()
     CLOSED.clear()
+    CRASH.clear()
     yield EFFECTS
+    CRASH.clear()
     EFFECTS.clear()
     INTERRUPT.clear()
     SEEN.clear()
@@ -219,3 +226,25 @@ def test_interrupt_keeps_finished_records(tmp_path: Path, fake_effects) -> None:
     assert "INCOMPLETE RUN" in report
     assert "**INCONCLUSIVE**" in report
     assert CLOSED == [FAKE]  # resources held across variants are released on Ctrl-C too
+
+
+def test_a_crashed_run_keeps_its_traceback_and_the_report_links_it(
+    tmp_path: Path, fake_effects
+) -> None:
+    """An engine bug is not a user error: the run is recorded as failed (INCONCLUSIVE)
+    with its traceback in the run directory, and the other variants still run."""
+    CRASH["fast"] = AssertionError("invariant broke: reserved KV above budget")
+    outcome = run_fake(tmp_path)
+    run_dir = outcome.run_dir
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    fast = next(r for r in manifest["runs"] if r["variant"] == "fast")
+    base = next(r for r in manifest["runs"] if r["variant"] == "base")
+    assert (fast["status"], base["status"]) == ("failed", "ok")
+    assert fast["error"] == "AssertionError: invariant broke: reserved KV above budget"
+    trace = (run_dir / fast["error_file"]).read_text()
+    assert "Traceback (most recent call last)" in trace
+    assert "run_variant" in trace
+    assert outcome.verdict.word == "INCONCLUSIVE"
+    report = (run_dir / "report.md").read_text()
+    assert f"(traceback: [{fast['error_file']}]({fast['error_file']}))" in report
+    assert "invariant broke" in report

@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from btb_lab.backends import RunContext, get_backend
+from btb_lab.backends import RunContext
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
 from btb_lab.model.costmodel import build_cost_model
 from btb_lab.records import RequestRecord
+from btb_lab.runner import get_backend
 from btb_lab.sim.backend import simulate
 from btb_lab.sim.bench import bench_workload
 
