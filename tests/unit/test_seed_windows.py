@@ -3,6 +3,7 @@ SEED-SIMULATOR.md, seeded."""
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import pytest
@@ -43,7 +44,7 @@ def test_a_window_is_eight_bursts_of_500_plus_120_decoys() -> None:
             arrivals = sorted(r.arrival_s for r in jobs[f"{rows[0].trace_id}:burst:{j}"])
             assert 18 + 40 * j <= arrivals[0] <= 22 + 40 * j
             assert arrivals[-1] - arrivals[0] == pytest.approx(60.0)
-            gaps = {round(b - a, 9) for a, b in zip(arrivals, arrivals[1:], strict=False)}
+            gaps = {round(b - a, 9) for a, b in itertools.pairwise(arrivals)}
             assert gaps == {round(60 / 499, 9)}
         assert all(14 <= jobs[g][0].arrival_s <= 340 for g in decoys)
         assert [r.arrival_s for r in rows] == sorted(r.arrival_s for r in rows)
