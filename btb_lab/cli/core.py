@@ -184,6 +184,38 @@ def register(app: typer.Typer) -> None:
             run = build_report(run_dir)
             typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
 
+    @app.command()
+    @user_errors
+    def compare(
+        runs: list[str] = typer.Argument(
+            ..., help="Run directories (or hypothesis ids: their latest run), two or more."
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="Output folder (default results/compare/<id>/<UTC time>-<id>/)."
+        ),
+        force: bool = typer.Option(
+            False, "--force", help="Compare runs of different hypotheses or workloads anyway."
+        ),
+        results: Path = typer.Option(Path("results"), "--results", help="Results root."),
+    ) -> None:
+        """How far one world's answer is from another's: per variant and class, TTFT / TPOT /
+        E2E errors beside the reference's run-to-run spread, verdict and ranking agreement."""
+        from btb_lab.report.compare import write_comparison
+        from btb_lab.results import Manifest, new_run_id, resolve_run_dir
+
+        dirs = [resolve_run_dir(r, results) for r in runs]
+        if out is None:
+            hid = Manifest.load(dirs[0]).hypothesis_id
+            out = results / "compare" / hid / new_run_id()
+        comparison = write_comparison(dirs, out, force=force)
+        agree = sum(v.agrees for v in comparison.verdicts)
+        typer.echo(
+            f"{comparison.model_backend} vs {comparison.reference_backend}: verdicts agree "
+            f"{agree}/{len(comparison.verdicts)}, ranking "
+            f"{'same' if comparison.same_ranking else 'different'}"
+        )
+        typer.echo(f"comparison: {out / 'compare.md'}")
+
     @log_app.command("append")
     @user_errors
     def log_append(
