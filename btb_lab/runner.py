@@ -288,7 +288,7 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     hyp, loaded = plan.hypothesis, plan.loaded
     # Every variant's resolved blocks and cost model, built once before anything runs (a
     # topology that does not fit fails here, not after the first variant ran).
-    worlds = {name: _variant_world(hyp, name) for name in plan.variants}
+    worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
     run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
     run_id = run_dir.name if options.out is None else new_run_id()
@@ -355,10 +355,12 @@ def _options_json(options: RunOptions) -> dict[str, Any]:
     return data
 
 
-def _variant_world(hyp: Hypothesis, name: str) -> tuple[Hypothesis, RooflineCostModel]:
+def _variant_world(
+    hyp: Hypothesis, name: str, base_dir: Path
+) -> tuple[Hypothesis, RooflineCostModel]:
     """The hypothesis as variant `name` sees it, and its cost model."""
     resolved = resolve_variant(hyp, name)
-    return resolved, build_cost_model(resolved)
+    return resolved, build_cost_model(resolved, base_dir)
 
 
 ERROR_FILE = "error-{variant}-r{repeat}.txt"
