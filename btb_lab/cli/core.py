@@ -119,7 +119,18 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def run(
         file: Path = typer.Argument(..., help="Hypothesis YAML file."),
-        backend: str | None = typer.Option(None, "--backend", help="sim or cluster."),
+        backend: str | None = typer.Option(
+            None,
+            "--backend",
+            help="sim or cluster; several, comma-separated (sim,cluster), run the hypothesis "
+            "on each and compare the runs in one directory.",
+        ),
+        calibrate: bool = typer.Option(
+            False,
+            "--calibrate",
+            help="With --backend sim,cluster: first fit an engine profile to the cluster's "
+            "first instance and run the simulator on it.",
+        ),
         out: Path | None = typer.Option(
             None, "--out", help="Results directory (default results/<id>/<UTC time>-<short id>/)."
         ),
@@ -139,12 +150,30 @@ def register(app: typer.Typer) -> None:
         """Run every variant × repeat, store the results, print the summary and verdict."""
         from btb_lab.runner import RunInterrupted, RunOptions, run_hypothesis
 
+        backends = [b.strip() for b in (backend or "").split(",") if b.strip()]
         options = RunOptions(
-            backend=backend, out=out, repeats=repeats, requests=requests,
+            backend=backends[0] if len(backends) == 1 else None, out=out, repeats=repeats,
+            requests=requests,
             time_scale=time_scale, seed=seed, dry_run=dry_run,
             variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
             progress=not no_progress, overrides=_parse_set(set_),
         )  # fmt: skip
+        if len(backends) > 1:
+            from btb_lab.crosscheck import run_crosscheck
+
+            try:
+                both = run_crosscheck(file, options, backends, calibrate=calibrate)
+            except RunInterrupted as exc:
+                typer.echo(f"interrupted: finished records kept in {exc.run_dir}", err=True)
+                raise typer.Exit(130) from None
+            for name, outcome in both.runs.items():
+                assert outcome.summary is not None
+                typer.echo(f"[{name}]")
+                _print_summary(outcome.summary)
+            typer.echo(f"comparison: {both.root / 'compare' / 'compare.md'}")
+            return
+        if calibrate:
+            raise UserError("--calibrate needs --backend sim,cluster")
         try:
             outcome = run_hypothesis(file, options)
         except RunInterrupted as exc:
@@ -169,6 +198,7 @@ def register(app: typer.Typer) -> None:
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
     ) -> None:
         """Re-render summary.json, report.md and plots from stored results (no backend)."""
+        from btb_lab.crosscheck import load_crosscheck
         from btb_lab.report.render import build_report
         from btb_lab.results import resolve_run_dir
 
@@ -178,9 +208,23 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"no runs under {results}/")
         elif target is None:
             raise UserError("give a run directory or hypothesis id, or --all")
+        elif load_crosscheck(Path(target)) is not None:
+            runs = [Path(target)]
         else:
             runs = [resolve_run_dir(target, results)]
         for run_dir in runs:
+            both = load_crosscheck(run_dir)
+            if both is not None:
+                from btb_lab.report.compare import write_comparison
+
+                dirs = [run_dir / both.runs[both.reference]]
+                dirs += [run_dir / p for b, p in both.runs.items() if b != both.reference]
+                for sub in dirs:
+                    run = build_report(sub)
+                    typer.echo(f"{sub / 'report.md'}: {run.verdict.word}")
+                write_comparison(dirs, run_dir / both.compare)
+                typer.echo(f"{run_dir / both.compare / 'compare.md'}")
+                continue
             run = build_report(run_dir)
             typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
 
@@ -224,11 +268,17 @@ def register(app: typer.Typer) -> None:
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
     ) -> None:
         """Append (or update) the run's verdict entry in the log."""
+        from btb_lab.crosscheck import load_crosscheck
         from btb_lab.report.log import append_entry
         from btb_lab.results import resolve_run_dir
 
-        path = resolve_run_dir(run_dir, results)
-        append_entry(path, log)
+        both = load_crosscheck(Path(run_dir))
+        if both is not None:  # the real run's entry, with the comparison's agreement
+            path = Path(run_dir) / both.runs[both.reference]
+            append_entry(path, log, compare_dir=Path(run_dir) / both.compare)
+        else:
+            path = resolve_run_dir(run_dir, results)
+            append_entry(path, log)
         typer.echo(f"{log}: entry for {path}")
 
     @log_app.command("show")
