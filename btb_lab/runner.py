@@ -43,6 +43,7 @@ from btb_lab.results import (
     finalize_parquet,
     new_run_dir,
     new_run_id,
+    write_events_part,
     write_utilization_part,
 )
 
@@ -134,14 +135,31 @@ class RunPlan:
                 f"workload: {self.requests_per_run if self.requests_per_run is not None else '?'} "
                 f"requests per run, time_scale {h.workload.time_scale:g}"
             ),
-            f"repeats: {self.repeats}, master seed {self.seed}",
+            f"repeats: {self.repeats_text()}, master seed {self.seed}",
             f"variants ({len(self.variants)}; baseline {h.baseline}):",
         ]
         for name in self.variants:
             v = h.variants[name]
             lines.append(f"  {name}: {v.router.policy} {v.router.params or ''}".rstrip())
-        lines.append(f"runs: {len(self.variants) * self.repeats} (variants × repeats)")
+        auto = self.hypothesis.auto_repeats
+        runs = len(self.variants) * self.repeats
+        if auto is not None:
+            lines.append(f"runs: {runs} to {len(self.variants) * auto.max} (variants × repeats)")
+        else:
+            lines.append(f"runs: {runs} (variants × repeats)")
         return lines
+
+    def repeats_text(self) -> str:
+        auto = self.hypothesis.auto_repeats
+        if auto is None:
+            return str(self.repeats)
+        target = (
+            auto.half_width if auto.half_width is not None else self.hypothesis.verdict.min_effect
+        )
+        return (
+            f"auto ({auto.min} to {auto.max}, until every primary interval's half-width is "
+            f"at most {target * 100:g} points)"
+        )
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -162,6 +180,7 @@ def _overrides(options: RunOptions) -> dict[str, Any]:
     merged = dict(options.overrides)
     if options.repeats is not None:
         merged["repeats"] = options.repeats
+        merged["auto_repeats"] = None  # an explicit count replaces `repeats: auto`
     if options.requests is not None:
         merged["workload.requests"] = options.requests
     if options.time_scale is not None:
@@ -315,13 +334,20 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     interrupted = False
     try:
         with _Progress(options.progress) as progress:
-            for repeat in range(plan.repeats):
+            repeat = 0
+            while True:
                 workload_seed = derive_seed(plan.seed, "workload", repeat)
                 requests = _load_requests(loaded, workload_seed)
                 manifest.requests_per_run = len(requests)
                 for name in plan.variants:
                     _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
                              manifest, progress, workload_seed)  # fmt: skip
+                repeat += 1
+                if not _more_repeats(hyp, plan.variants, run_dir, manifest, repeat):
+                    break
+                manifest.runs_planned += len(plan.variants)
+                manifest.repeats = repeat + 1
+                manifest.save(run_dir)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -346,6 +372,32 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     if interrupted:
         raise RunInterrupted(run_dir)
     return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)
+
+
+def _more_repeats(
+    hyp: Hypothesis, variants: list[str], run_dir: Path, manifest: Manifest, done: int
+) -> bool:
+    """Whether another repeat runs: up to `repeats`, or with `repeats: auto` until every
+    primary interval's half-width is at most the target (or the cap). Stopping on the
+    interval's width, not on where it lies, keeps the stopping rule from steering the
+    verdict; a failed run stops at once."""
+    auto = hyp.auto_repeats
+    if auto is None:
+        return done < hyp.repeats
+    if done < auto.min:
+        return True
+    if done >= auto.max or manifest.failed_variants:
+        return False
+    from btb_lab.analysis.summary import analyze_frames
+    from btb_lab.results import read_records, read_utilization
+
+    _, verdict, _ = analyze_frames(
+        hyp, read_records(run_dir, variants), read_utilization(run_dir, variants),
+        variants=variants,
+    )  # fmt: skip
+    target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
+    widths = [vv.primary.half_width for vv in verdict.variants.values() if vv.primary is not None]
+    return any(w is None or w > target + 1e-12 for w in widths)
 
 
 def _options_json(options: RunOptions) -> dict[str, Any]:
@@ -388,7 +440,11 @@ def _run_one(
     ctx = RunContext(
         hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
         seed=seed, run_dir=run_dir, sink=sink, costs=costs,
-        progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
+        progress=progress.task(
+            f"{name} r{repeat + 1}/"
+            + (f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)),
+            len(requests),
+        ),
     )  # fmt: skip
     try:
         result = backend.run_variant(ctx, list(requests))
@@ -415,6 +471,7 @@ def _run_one(
         entry.finished = _now()
         manifest.save(run_dir)
     write_utilization_part(run_dir, name, repeat, result.utilization)
+    write_events_part(run_dir, name, repeat, result.events)
     entry.status = "ok"
     manifest.fidelity[name] = dict(result.fidelity)
     manifest.telemetry_source = result.telemetry_source
