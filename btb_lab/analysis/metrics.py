@@ -104,13 +104,28 @@ def gpu_stats(util: pd.DataFrame) -> GpuStats:
     return stats
 
 
+def _grouped_metrics(
+    rows: pd.DataFrame, column: str, *, per_repeat: bool = False
+) -> dict[str, RequestMetrics]:
+    """Metrics per value of `column` (pools by `source`, windows by `trace_id`), in order
+    of first appearance. `per_repeat`: keys are `r<repeat>:<value>` when the run has
+    several repeats (a generator's windows are new requests in every repeat)."""
+    if column not in rows.columns or rows.empty:
+        return {}
+    keys = rows[column].astype(str)
+    if per_repeat and rows["repeat"].nunique() > 1:
+        keys = "r" + (rows["repeat"].astype(int) + 1).astype(str) + ":" + keys
+    return {str(k): request_metrics(rows[keys == k]) for k in keys.unique()}
+
+
 def summarize_variants(
     records: pd.DataFrame,
     util: pd.DataFrame,
     variants: Sequence[str],
     class_names: Sequence[str],
 ) -> dict[str, VariantSummary]:
-    """`summary.json`'s `variants` block: metrics overall and per class, routes, cache, GPU.
+    """`summary.json`'s `variants` block: metrics overall, per class, per pool (source) and
+    per window (trace_id), routes, cache, GPU.
 
     `records` must already carry derived timings and the final `class` column."""
     out: dict[str, VariantSummary] = {}
@@ -123,6 +138,8 @@ def summarize_variants(
         out[name] = VariantSummary(
             all=request_metrics(rows),
             classes={c: request_metrics(rows[rows["class"] == c]) for c in ordered},
+            pools=_grouped_metrics(rows, "source"),
+            windows=_grouped_metrics(rows, "trace_id", per_repeat=True),
             routes={str(k): int(v) for k, v in sorted(routes.items())},
             cache=cache_stats(rows),
             gpu=gpu_stats(util_rows),
