@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from btb_lab.analysis.metrics import latency_stat
 from btb_lab.analysis.bootstrap import counts_percentile
+from btb_lab.analysis.metrics import latency_stat
 from btb_lab.analysis.verdict import evaluate_verdict, paired_units
 from btb_lab.config.hypothesis import VerdictRule
 from btb_lab.records import derive_timings
@@ -298,5 +298,7 @@ def test_percentile_from_counts_matches_numpy_on_resamples() -> None:
         for _ in range(20):
             rows = rng.integers(0, column.size, column.size)
             counts = np.bincount(rows, minlength=column.size)
-            assert counts_percentile(column, counts, q / 100) == latency_stat(column[rows], f"p{q:g}")
+            assert counts_percentile(column, counts, q / 100) == latency_stat(
+                column[rows], f"p{q:g}"
+            )
     assert np.isnan(counts_percentile(column[:4], np.zeros(4, dtype=int), 0.9))
