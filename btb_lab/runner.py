@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import importlib.metadata
+import math
 import platform
 import socket
 import subprocess
@@ -335,6 +336,7 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     try:
         with _Progress(options.progress) as progress:
             repeat = 0
+            planned = plan.repeats
             while True:
                 workload_seed = derive_seed(plan.seed, "workload", repeat)
                 requests = _load_requests(loaded, workload_seed)
@@ -343,11 +345,13 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
                     _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
                              manifest, progress, workload_seed)  # fmt: skip
                 repeat += 1
-                if not _more_repeats(hyp, plan.variants, run_dir, manifest, repeat):
-                    break
-                manifest.runs_planned += len(plan.variants)
-                manifest.repeats = repeat + 1
-                manifest.save(run_dir)
+                if repeat >= planned:
+                    planned = _repeats_needed(hyp, plan.variants, run_dir, manifest, repeat)
+                    if repeat >= planned:
+                        break
+                    manifest.repeats = planned  # `repeats: auto` goes past its minimum
+                    manifest.runs_planned = len(plan.variants) * planned
+                    manifest.save(run_dir)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -374,30 +378,39 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)
 
 
-def _more_repeats(
+def _repeats_needed(
     hyp: Hypothesis, variants: list[str], run_dir: Path, manifest: Manifest, done: int
-) -> bool:
-    """Whether another repeat runs: up to `repeats`, or with `repeats: auto` until every
-    primary interval's half-width is at most the target (or the cap). Stopping on the
-    interval's width, not on where it lies, keeps the stopping rule from steering the
-    verdict; a failed run stops at once."""
+) -> int:
+    """How many repeats the run needs, judged after `done` of them: `repeats`, or with
+    `repeats: auto` as many as make every primary interval's half-width at most the
+    target — `done` when they already do, else the widest interval's projection (half-
+    widths shrink as 1/√repeats), at least one more and at most the cap. Stopping on the
+    interval's width, not on where it lies, keeps the rule from steering the verdict; a
+    failed run stops at once."""
     auto = hyp.auto_repeats
     if auto is None:
-        return done < hyp.repeats
+        return hyp.repeats
     if done < auto.min:
-        return True
+        return auto.min
     if done >= auto.max or manifest.failed_variants:
-        return False
-    from btb_lab.analysis.summary import analyze_frames
+        return done
+    from btb_lab.analysis.summary import measured_frames
+    from btb_lab.analysis.verdict import evaluate_verdict
     from btb_lab.results import read_records, read_utilization
 
-    _, verdict, _ = analyze_frames(
-        hyp, read_records(run_dir, variants), read_utilization(run_dir, variants),
-        variants=variants,
-    )  # fmt: skip
+    records, util, _ = measured_frames(
+        hyp, read_records(run_dir, variants), read_utilization(run_dir, variants)
+    )
+    verdict = evaluate_verdict(records, util, hyp.verdict, baseline=hyp.baseline,
+                               variants=variants, seed=hyp.seed)  # fmt: skip
     target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
     widths = [vv.primary.half_width for vv in verdict.variants.values() if vv.primary is not None]
-    return any(w is None or w > target + 1e-12 for w in widths)
+    if all(w is not None and w <= target + 1e-12 for w in widths):
+        return done
+    known = [w for w in widths if w is not None]
+    if len(known) < len(widths) or not known:
+        return done + 1
+    return min(auto.max, max(done + 1, math.ceil(done * (max(known) / target) ** 2)))
 
 
 def _options_json(options: RunOptions) -> dict[str, Any]:

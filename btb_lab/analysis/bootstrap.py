@@ -39,8 +39,11 @@ __all__ = [
     "DrawMethod",
     "Draws",
     "counts_percentile",
+    "gpu_draws",
     "interp_percentile",
     "paired_draws",
+    "unpaired_draws",
+    "value_draws",
 ]
 
 DrawMethod = Literal["window", "cells", "rows", "normal", "unpaired"]
@@ -388,6 +391,113 @@ def paired_draws(
     return Draws(change, samples, method)
 
 
+def _gpu_of_means(means: np.ndarray, statistic: str) -> np.ndarray:
+    """`gpu_stats_from_means` per row of per-instance means (NaN instances ignored)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if statistic == "max":
+            return np.nanmax(means, axis=1)
+        if statistic == "std":
+            return np.nanstd(means, axis=1)
+        low = np.nanmin(means, axis=1)
+        return np.where(low > 0, np.nanmax(means, axis=1) / low, np.nan)
+
+
+def _gpu_side(
+    units: Sequence[np.ndarray], mult: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """Per-instance mean utilization per resample: time samples of each drawn repeat
+    drawn uniformly (as counts), then means over what was drawn."""
+    width = units[0].shape[1]
+    sums = np.zeros((mult.shape[0], width))
+    seen = np.zeros((mult.shape[0], width))
+    for r, u in enumerate(units):
+        if not len(u):
+            continue
+        counts = _uniform_counts(mult[:, r] * len(u), len(u), rng).astype(float)
+        valid = ~np.isnan(u)
+        sums += counts @ np.where(valid, u, 0.0)
+        seen += counts @ valid.astype(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return sums / seen
+
+
+def gpu_draws(
+    base_units: Sequence[np.ndarray],
+    var_units: Sequence[np.ndarray],
+    statistic: str,
+    *,
+    samples: int,
+    rng: np.random.Generator,
+    pair_repeats: bool = False,
+) -> Draws | None:
+    """GPU-balance draws (imbalance, std or max of per-instance means) over time samples
+    (one time × instance matrix per repeat), vectorized through row counts; None when the
+    repeats' instance columns differ (the caller resamples row by row)."""
+    widths = {u.shape[1] for u in (*base_units, *var_units)}
+    if len(widths) != 1 or not base_units or not var_units:
+        return None
+    base_mult = _repeat_multiplicity([len(u) for u in base_units], samples, rng)
+    pair_repeats = pair_repeats and len(base_units) == len(var_units)
+    var_mult = (
+        base_mult
+        if pair_repeats
+        else _repeat_multiplicity([len(u) for u in var_units], samples, rng)
+    )
+    b = _gpu_of_means(_gpu_side(base_units, base_mult, rng), statistic)
+    v = _gpu_of_means(_gpu_side(var_units, var_mult, rng), statistic)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        change = (v - b) / b
+    return Draws(change[np.isfinite(change) & (b != 0)], samples, "unpaired")
+
+
+def value_draws(
+    units: Sequence[np.ndarray],
+    kind: str,
+    percentile: float | None,
+    statistic: str,
+    *,
+    samples: int,
+    rng: np.random.Generator,
+    exact_limit: int = EXACT_LIMIT,
+) -> np.ndarray:
+    """Bootstrap draws of one variant's metric value itself (not a change), by the same
+    methods as `paired_draws`: for the intervals of sweep plots."""
+    sizes = [len(u) for u in units]
+    if not units or sum(sizes) == 0:
+        return np.empty(0)
+    if kind == "gpu":
+        if len({u.shape[1] for u in units}) != 1:
+            return np.empty(0)
+        mult = _repeat_multiplicity(sizes, samples, rng)
+        out = _gpu_of_means(_gpu_side(units, mult, rng), statistic)
+        return out[np.isfinite(out)]
+    column = np.concatenate(units)
+    if kind == "latency" and percentile is not None:
+        out = _percentile_draws(column[:, 0], column[:, 0], sizes, percentile / 100, samples, rng)[
+            0
+        ]
+    elif kind == "ok_rate":
+        out = _ok_rate_draws(column[:, 0], column[:, 0], sizes, samples, rng)[0]
+    else:
+        parts = _mean_parts(column, kind)
+        if column.shape[0] * samples > exact_limit:
+            num, den = parts
+            n = float(column.shape[0])
+            ratio = num.sum() / den.sum() if den.sum() > 0 else math.nan
+            influence = (num - ratio * den) / (den.sum() / n)
+            offsets = np.concatenate(([0], np.cumsum(sizes)))
+            pieces = [influence[offsets[r] : offsets[r + 1]] for r in range(len(sizes))]
+            within = sum(p.size * float(np.var(p)) for p in pieces if p.size)
+            totals = [float(p.sum()) for p in pieces if p.size]
+            between = len(totals) * float(np.var(totals)) if len(totals) >= 2 else 0.0
+            grid = (np.arange(samples) + 0.5) / samples
+            z = np.array([NormalDist().inv_cdf(float(g)) for g in grid])
+            out = ratio + math.sqrt(within + between) / n * z
+        else:
+            out = _mean_rows((parts, parts), sizes, samples, rng)[0]
+    return out[np.isfinite(out)]
+
+
 def unpaired_draws(
     stat: Callable[[np.ndarray], float],
     base_units: Sequence[np.ndarray],
@@ -395,23 +505,28 @@ def unpaired_draws(
     *,
     samples: int,
     rng: np.random.Generator,
+    pair_repeats: bool = False,
 ) -> Draws:
-    """Each variant resampled on its own (no shared request ids, or GPU time samples)."""
+    """Each variant's rows resampled on its own (no shared request ids, or GPU time
+    samples). `pair_repeats`: unit i of both is the same repeat (the same workload), so
+    each resample draws one set of repeats for both, as the paired bootstrap does."""
 
-    def resample(units: Sequence[np.ndarray]) -> np.ndarray:
-        chosen = (
-            [units[i] for i in rng.integers(0, len(units), len(units))]
-            if len(units) >= 2
-            else list(units)
-        )
-        parts = [u[rng.integers(0, len(u), len(u))] for u in chosen if len(u)]
+    def resample(units: Sequence[np.ndarray], picks: Sequence[int]) -> np.ndarray:
+        parts = [units[i][rng.integers(0, len(units[i]), len(units[i]))] for i in picks
+                 if len(units[i])]  # fmt: skip
         if not parts:
             return np.empty((0, units[0].shape[1] if units else 1))
         return np.concatenate(parts)
 
+    def picks(n: int) -> Sequence[int]:
+        return rng.integers(0, n, n).tolist() if n >= 2 else range(n)
+
+    pair_repeats = pair_repeats and len(base_units) == len(var_units)
     out = np.empty(samples)
     for i in range(samples):
-        b = stat(resample(base_units))
-        v = stat(resample(var_units))
+        base_picks = picks(len(base_units))
+        var_picks = base_picks if pair_repeats else picks(len(var_units))
+        b = stat(resample(base_units, base_picks))
+        v = stat(resample(var_units, var_picks))
         out[i] = (v - b) / b if b and math.isfinite(b) else math.nan
     return Draws(out[np.isfinite(out)], samples, "unpaired")

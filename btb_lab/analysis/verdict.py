@@ -8,7 +8,8 @@ then cancels from the interval of the difference. `analysis.bootstrap` makes the
 exactly in distribution from row counts (a million requests × 1,000 resamples in seconds);
 only means of very large runs use a labelled normal approximation. Records whose request
 ids do not overlap are resampled per variant (`Comparison.paired`); GPU-utilization
-metrics resample time samples per variant.
+metrics resample time samples per variant. Either way, with two or more repeats run on
+both sides, each resample draws one set of repeats for both (the same workloads).
 
 Outcomes are read off the interval, signs taken so positive is the claimed direction and
 m is the minimum effect: beyond m (`holds`) → VALIDATED when every guard holds (PARTIALLY
@@ -39,7 +40,13 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from btb_lab.analysis.bootstrap import Draws, paired_draws, unpaired_draws
+from btb_lab.analysis.bootstrap import (
+    Draws,
+    gpu_draws,
+    paired_draws,
+    unpaired_draws,
+    value_draws,
+)
 from btb_lab.analysis.metrics import gpu_stats_from_means, latency_stat
 from btb_lab.analysis.models import (
     Comparison,
@@ -64,6 +71,7 @@ __all__ = [
     "metric_units",
     "paired_units",
     "point_value",
+    "value_interval",
 ]
 
 VALIDATED: VerdictWord = "VALIDATED"
@@ -144,12 +152,24 @@ def _units_by_repeat(
     units: dict[int, np.ndarray] = {}
     if definition.kind == "gpu":
         rows = util[util["variant"] == variant] if not util.empty else util
-        for repeat, rep in rows.groupby("repeat", sort=True):
-            unit = rep["instance"].astype(str) + "/" + rep["device"].astype(str)
-            matrix = rep.assign(unit=unit).pivot_table(
-                index="time_s", columns="unit", values="utilization", aggfunc="mean"
-            )
-            units[int(str(repeat))] = matrix.to_numpy(dtype=float)
+        if rows.empty:
+            return units
+        # every repeat's matrix has the same columns (the variant's units, sorted), so the
+        # repeats of one variant line up; the mean where a (time, unit) repeats
+        names = rows["instance"].astype(str) + "/" + rows["device"].astype(str)
+        unit_names, col = np.unique(names.to_numpy(), return_inverse=True)
+        repeat_ids = rows["repeat"].to_numpy()
+        times = rows["time_s"].to_numpy(dtype=float)
+        values = rows["utilization"].to_numpy(dtype=float)
+        for repeat in np.unique(repeat_ids):
+            mine = repeat_ids == repeat
+            t_values, t_index = np.unique(times[mine], return_inverse=True)
+            sums = np.zeros((t_values.size, unit_names.size))
+            counts = np.zeros_like(sums)
+            np.add.at(sums, (t_index, col[mine]), values[mine])
+            np.add.at(counts, (t_index, col[mine]), 1.0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                units[int(repeat)] = np.where(counts > 0, sums / counts, np.nan)
         return units
     rows = records[records["variant"] == variant]
     if klass is not None:
@@ -265,13 +285,20 @@ def _draws(
     samples: int,
     seed: int,
     paired: bool,
+    pair_repeats: bool = False,
 ) -> Draws:
     definition = METRICS[metric]
     rng = np.random.default_rng(seed)
     if paired:
         return paired_draws(base_units, var_units, definition.kind, definition.percentile,
                             samples=samples, rng=rng)  # fmt: skip
-    return unpaired_draws(_stat_for(metric), base_units, var_units, samples=samples, rng=rng)
+    if definition.kind == "gpu":
+        draws = gpu_draws(base_units, var_units, definition.statistic, samples=samples,
+                          rng=rng, pair_repeats=pair_repeats)  # fmt: skip
+        if draws is not None:
+            return draws
+    return unpaired_draws(_stat_for(metric), base_units, var_units, samples=samples, rng=rng,
+                          pair_repeats=pair_repeats)  # fmt: skip
 
 
 def _interval(draws: Draws, level: float) -> tuple[float, float]:
@@ -303,6 +330,37 @@ def bootstrap_change(
     draws = _draws(base_units, var_units, metric, samples=samples, seed=seed, paired=paired)
     low, high = _interval(draws, confidence)
     return change, low, high
+
+
+def value_interval(
+    records: pd.DataFrame,
+    util: pd.DataFrame,
+    variant: str,
+    metric: str,
+    scope: str = "all",
+    *,
+    samples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """A percentile bootstrap interval of one variant's metric value (repeats and requests
+    resampled), for `scope` `all`, a class, or `pool:<source>`."""
+    klass: str | None = None
+    if scope.startswith("pool:"):
+        records = in_pool(records, scope[5:])
+    elif scope != "all":
+        klass = scope
+    definition = METRICS[metric]
+    units = metric_units(records, util, variant, metric, klass)
+    draws = value_draws(
+        units, definition.kind, definition.percentile, definition.statistic, samples=samples,
+        rng=np.random.default_rng(_seed(seed, variant, metric, scope, "value")),
+    )  # fmt: skip
+    if draws.size < samples * 0.9:
+        return math.nan, math.nan
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return float(low), float(high)
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -425,13 +483,19 @@ def _compare(
     else:
         base_by = _units_by_repeat(records, util, baseline, metric, klass)
         var_by = _units_by_repeat(records, util, variant, metric, klass)
-        base_units, var_units = list(base_by.values()), list(var_by.values())
-        per_repeat = [(base_by[r], var_by[r]) for r in sorted(set(base_by) & set(var_by))]
+        shared = sorted(set(base_by) & set(var_by))
+        per_repeat = [(base_by[r], var_by[r]) for r in shared]
+        if len(shared) == len(base_by) == len(var_by):
+            # the same repeats (workloads) on both sides, in one order: paired on repeats
+            base_units, var_units = [base_by[r] for r in shared], [var_by[r] for r in shared]
+        else:
+            base_units, var_units = list(base_by.values()), list(var_by.values())
     seed_parts: tuple[object, ...] = (seed, variant, metric, klass or "")
     if pool is not None:
         seed_parts += (f"pool:{pool}",)
     draws = _draws(base_units, var_units, metric, samples=rule.bootstrap_samples,
-                   seed=_seed(*seed_parts), paired=aligned is not None)  # fmt: skip
+                   seed=_seed(*seed_parts), paired=aligned is not None,
+                   pair_repeats=aligned is None and len(per_repeat) == len(base_units))  # fmt: skip
     base = point_value(base_units, metric)
     value = point_value(var_units, metric)
     change = (value - base) / base if base and math.isfinite(base) else math.nan

@@ -16,6 +16,7 @@ from pydantic import (
     ModelWrapValidatorHandler,
     PrivateAttr,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -326,11 +327,15 @@ class Hypothesis(StrictModel):
         if isinstance(data, dict):
             data = dict(data)
             notes = move_sim_aliases(data)
+            # `repeats: auto` turns auto_repeats on (its defaults when absent); an explicit
+            # count (an override, `--repeats N`) turns it off
             if data.get("repeats") == "auto":
                 auto = data.get("auto_repeats")
                 if auto is None:
                     auto = data["auto_repeats"] = {}
                 data["repeats"] = auto.get("min", 3) if isinstance(auto, dict) else 3
+            elif "repeats" in data and data.get("auto_repeats") is not None:
+                data["auto_repeats"] = None
             variants = data.get("variants")
             if isinstance(variants, dict):
                 moved = {}
@@ -343,6 +348,11 @@ class Hypothesis(StrictModel):
         hyp = handler(data)
         hyp._aliases = notes
         return hyp
+
+    @field_serializer("repeats")
+    def _dump_repeats(self, repeats: int) -> int | str:
+        # stored hypotheses (manifests) read back as they were written: `repeats: auto`
+        return "auto" if self.auto_repeats is not None else repeats
 
     @property
     def aliases(self) -> list[str]:
