@@ -51,6 +51,13 @@ def step_runs(
     prev = np.r_[-1, carried[:-1]]
     has_prev = prev >= 0
     start[has_prev] = value[last_in_bin[prev[has_prev]]]
+    # a change exactly at a bin's start replaces the carried value for the whole bin
+    first_in_bin = np.full(n, -1, dtype=np.int64)
+    first_in_bin[local[::-1]] = np.arange(local.size)[::-1]
+    at_start = np.zeros(n, dtype=bool)
+    has = first_in_bin >= 0
+    at_start[has] = t[first_in_bin[has]] <= (first_bin + np.flatnonzero(has)) * interval_s
+    start[at_start] = np.iinfo(np.int64).min
     peak = np.maximum(peak, start)
     runs: list[tuple[float, float, float]] = []
     cut = np.flatnonzero(np.r_[True, peak[1:] != peak[:-1]])
