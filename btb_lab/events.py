@@ -16,7 +16,14 @@ import numpy as np
 
 from btb_lab.records import EventRecord
 
-__all__ = ["LOAD_INTERVAL_S", "EventLog", "interval_runs", "step_runs"]
+__all__ = [
+    "LOAD_INTERVAL_S",
+    "EventLog",
+    "interval_arrays",
+    "interval_runs",
+    "step_arrays",
+    "step_runs",
+]
 
 LOAD_INTERVAL_S = 0.25
 
@@ -24,12 +31,23 @@ LOAD_INTERVAL_S = 0.25
 def step_runs(
     times: np.ndarray, deltas: np.ndarray, interval_s: float = LOAD_INTERVAL_S
 ) -> list[tuple[float, float, float]]:
+    """`step_arrays` as (start_s, end_s, max) tuples."""
+    starts, ends, peaks = step_arrays(times, deltas, interval_s)
+    return [
+        (float(a), float(b), float(v))
+        for a, b, v in zip(starts.tolist(), ends.tolist(), peaks.tolist(), strict=True)
+    ]
+
+
+def step_arrays(
+    times: np.ndarray, deltas: np.ndarray, interval_s: float = LOAD_INTERVAL_S
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(start_s, end_s, max) runs of a counter that changes by `deltas[i]` at `times[i]`
     (starting from 0): on a grid of `interval_s`, each bin's value is the largest the
     counter took in it; consecutive bins with the same value merge. Changes at the same
     instant apply together (a finish and an admission at one time are no peak)."""
     if times.size == 0:
-        return []
+        return np.empty(0), np.empty(0), np.empty(0)
     order = np.argsort(times, kind="stable")
     t = times[order]
     d = deltas[order].astype(np.int64)
@@ -59,28 +77,36 @@ def step_runs(
     at_start[has] = t[first_in_bin[has]] <= (first_bin + np.flatnonzero(has)) * interval_s
     start[at_start] = np.iinfo(np.int64).min
     peak = np.maximum(peak, start)
-    runs: list[tuple[float, float, float]] = []
     cut = np.flatnonzero(np.r_[True, peak[1:] != peak[:-1]])
     ends = np.r_[cut[1:], n]
-    for a, b in zip(cut, ends, strict=True):
-        runs.append(
-            (float((first_bin + a) * interval_s), float((first_bin + b) * interval_s),
-             float(peak[a]))
-        )  # fmt: skip
-    if runs and runs[-1][2] == 0:
-        runs.pop()
-    return runs
+    values = peak[cut].astype(float)
+    keep = np.ones(cut.size, dtype=bool)
+    if values.size and values[-1] == 0:  # back to zero after the last change
+        keep[-1] = False
+    return (
+        ((first_bin + cut) * interval_s)[keep].astype(float),
+        ((first_bin + ends) * interval_s)[keep].astype(float),
+        values[keep],
+    )
 
 
 def interval_runs(
     starts: np.ndarray, ends: np.ndarray, interval_s: float = LOAD_INTERVAL_S
 ) -> list[tuple[float, float, float]]:
     """`step_runs` of how many of the intervals [starts[i], ends[i]) are open."""
+    a, b, v = interval_arrays(starts, ends, interval_s)
+    return [(float(x), float(y), float(z)) for x, y, z in zip(a, b, v, strict=True)]
+
+
+def interval_arrays(
+    starts: np.ndarray, ends: np.ndarray, interval_s: float = LOAD_INTERVAL_S
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`step_arrays` of how many of the intervals [starts[i], ends[i]) are open."""
     keep = np.isfinite(starts) & np.isfinite(ends) & (ends > starts)
     s, e = starts[keep], ends[keep]
     times = np.concatenate([s, e])
     deltas = np.concatenate([np.ones(s.size), -np.ones(e.size)])
-    return step_runs(times, deltas, interval_s)
+    return step_arrays(times, deltas, interval_s)
 
 
 class EventLog:
@@ -143,7 +169,8 @@ class EventLog:
         """Every event, queue and batch counters as runs of their per-interval maximum."""
         out = list(self.events)
         for (instance, kind), (times, deltas) in sorted(self._changes.items()):
-            for start, end, peak in step_runs(np.array(times), np.array(deltas), self.interval_s):
+            runs = step_runs(np.array(times), np.array(deltas), self.interval_s)
+            for start, end, peak in runs:
                 out.append(
                     EventRecord(
                         time_s=start,

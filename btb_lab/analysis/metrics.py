@@ -44,14 +44,23 @@ def request_metrics(frame: pd.DataFrame) -> RequestMetrics:
     n = len(frame)
     ok = int(frame["ok"].astype(bool).sum()) if n else 0
     values: dict[str, float | None] = {}
-    columns: dict[str, np.ndarray] = {}
+    by_column: dict[str, list[MetricDef]] = {}
     for metric in _LATENCY_METRICS:
         assert metric.column is not None
-        if metric.column not in columns:
-            columns[metric.column] = (
-                frame[metric.column].to_numpy(dtype=float) if n else np.array([], dtype=float)
-            )
-        values[metric.name] = latency_stat(columns[metric.column], metric.statistic)
+        by_column.setdefault(metric.column, []).append(metric)
+    for column, metrics in by_column.items():
+        data = frame[column].to_numpy(dtype=float) if n else np.array([], dtype=float)
+        data = data[~np.isnan(data)]
+        # every percentile of a column from one sort (the values np.percentile gives one by one)
+        pcts = [m for m in metrics if m.percentile is not None]
+        levels = [m.percentile for m in pcts if m.percentile is not None]
+        found: list[float] = np.percentile(data, levels).tolist() if data.size and pcts else []
+        for m, value in zip(pcts, found, strict=False):
+            values[m.name] = float(value)
+        for m in metrics:
+            if m.percentile is None:
+                values[m.name] = float(data.mean()) if data.size else math.nan
+            values.setdefault(m.name, math.nan)
     return RequestMetrics(n=n, ok=ok, ok_rate=ok / n if n else None, **values)
 
 

@@ -116,9 +116,10 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
     manifest = Manifest.load(run_dir)
     hypothesis = stored_hypothesis(manifest, run_dir)
     variants: list[str] = list(manifest.variants or hypothesis.variants)
-    raw = read_records(run_dir, variants)
-    all_util = read_utilization(run_dir, variants)
-    records, util, exclusion = measured_frames(hypothesis, raw, all_util)
+    all_records = classified(hypothesis, read_records(run_dir, variants))
+    records, util, exclusion = apply_exclusion(
+        all_records, read_utilization(run_dir, variants), hypothesis.verdict.exclude
+    )
     verdict = evaluate_verdict(
         records, util, hypothesis.verdict, baseline=hypothesis.baseline, variants=variants,
         seed=hypothesis.seed, failed=manifest.failed_variants, incomplete=not manifest.complete,
@@ -149,7 +150,6 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
         exclusion=exclusion,
         repeats=len({r.repeat for r in manifest.runs}) or None,
     )
-    all_records = classified(hypothesis, raw)
     events = read_events(run_dir, variants)
     return AnalyzedRun(
         run_dir, manifest, hypothesis, records, util, verdict, summary, all_records, events

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from btb_lab.events import LOAD_INTERVAL_S, interval_runs
+from btb_lab.events import LOAD_INTERVAL_S, interval_arrays
 from btb_lab.records import EVENT_COLUMNS
 
 __all__ = [
@@ -41,26 +41,31 @@ BURST_MIN_REQUESTS = 8
 BURST_MIN_RATE_PER_S = 1.0
 
 
-def _rows(
-    variant: str, repeat: int, kind: str, instance: str, runs: list[tuple[float, float, float]]
-) -> list[dict[str, object]]:
-    return [
-        {"variant": variant, "repeat": repeat, "time_s": a, "kind": kind, "instance": instance,
-         "peer": "", "request_id": "", "value": v, "end_s": b, "label": "", "origin": "records"}
-        for a, b, v in runs
-    ]  # fmt: skip
+def _frame(
+    variant: str, repeat: int, kind: str, instance: str,
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> pd.DataFrame:  # fmt: skip
+    starts, ends, values = runs
+    return pd.DataFrame({
+        "variant": variant, "repeat": repeat, "time_s": starts, "kind": kind,
+        "instance": instance, "peer": "", "request_id": "", "value": values, "end_s": ends,
+        "label": "", "origin": "records",
+    }, columns=list(EVENT_COLUMNS))  # fmt: skip
 
 
 def reconstruct_events(
-    records: pd.DataFrame, variant: str, repeat: int, interval_s: float = LOAD_INTERVAL_S
+    records: pd.DataFrame, variant: str, repeat: int, interval_s: float | None = None
 ) -> pd.DataFrame:
     """`waiting`, `running` and `kv_transfer` events of one variant × repeat rebuilt from
-    its records (see the module docstring)."""
+    its records (see the module docstring). The grid is LOAD_INTERVAL_S, coarser for long
+    runs (at most about 4,000 intervals: more than a plot shows)."""
     rows = records[(records["variant"] == variant) & (records["repeat"] == repeat)]
     rows = rows[rows["ok"].astype(bool)]
-    out: list[dict[str, object]] = []
     if rows.empty:
-        return pd.DataFrame(out, columns=list(EVENT_COLUMNS))
+        return pd.DataFrame(columns=list(EVENT_COLUMNS))
+    if interval_s is None:
+        span = float(np.nanmax(rows["finish_s"].to_numpy(float)) - rows["sent_s"].min())
+        interval_s = max(LOAD_INTERVAL_S, span / 4000)
     sent = rows["sent_s"].to_numpy(float)
     first = rows["first_token_s"].to_numpy(float)
     finish = rows["finish_s"].to_numpy(float)
@@ -82,9 +87,11 @@ def reconstruct_events(
 
     def add(store: dict[str, list[np.ndarray]], names: np.ndarray, a: np.ndarray,
             b: np.ndarray) -> None:  # fmt: skip
-        for name in np.unique(names):
-            mine = names == name
-            store.setdefault(str(name), []).append(np.stack([a[mine], b[mine]]))
+        codes, uniques = pd.factorize(names)
+        order = np.argsort(codes, kind="stable")
+        cuts = np.cumsum(np.bincount(codes, minlength=len(uniques)))[:-1]
+        for name, part in zip(uniques, np.split(order, cuts), strict=True):
+            store.setdefault(str(name), []).append(np.stack([a[part], b[part]]))
 
     prefill_names = np.where(offloaded, p_inst.astype(str), decode_inst)
     add(waiting, prefill_names, sent, admit)
@@ -93,19 +100,24 @@ def reconstruct_events(
     if offloaded.any():
         add(running, prefill_names[offloaded], admit[offloaded], p_done[offloaded])
         add(running, decode_inst[offloaded], first[offloaded], finish[offloaded])
-        ids = rows["request_id"].astype(str).to_numpy()
-        tokens = rows["input_tokens"].to_numpy(float)
-        for i in np.flatnonzero(offloaded):
-            out.append({"variant": variant, "repeat": repeat, "time_s": float(p_done[i]),
-                        "kind": "kv_transfer", "instance": str(decode_inst[i]),
-                        "peer": str(p_inst[i]), "request_id": str(ids[i]),
-                        "value": float(tokens[i]), "end_s": float(first[i]), "label": "",
-                        "origin": "records"})  # fmt: skip
+        moved = offloaded
+        transfers = pd.DataFrame({
+            "variant": variant, "repeat": repeat, "time_s": p_done[moved], "kind": "kv_transfer",
+            "instance": decode_inst[moved].astype(str), "peer": p_inst[moved].astype(str),
+            "request_id": rows["request_id"].astype(str).to_numpy()[moved],
+            "value": rows["input_tokens"].to_numpy(float)[moved], "end_s": first[moved],
+            "label": "", "origin": "records",
+        }, columns=list(EVENT_COLUMNS))  # fmt: skip
+    frames = [transfers] if offloaded.any() else []
     for kind, store in (("waiting", waiting), ("running", running)):
         for name, parts in sorted(store.items()):
             spans = np.concatenate(parts, axis=1)
-            out += _rows(variant, repeat, kind, name, interval_runs(spans[0], spans[1], interval_s))
-    return pd.DataFrame(out, columns=list(EVENT_COLUMNS))
+            runs = interval_arrays(spans[0], spans[1], interval_s)
+            frames.append(_frame(variant, repeat, kind, name, runs))
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=list(EVENT_COLUMNS))
+    return pd.concat(frames, ignore_index=True)
 
 
 def timeline_events(records: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
@@ -117,10 +129,12 @@ def timeline_events(records: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame
         if not events.empty
         else set()
     )
-    for (variant, repeat), _ in records.groupby(["variant", "repeat"], sort=False):
+    for (variant, repeat), rows in records.groupby(["variant", "repeat"], sort=False):
         missing = {
             k for k in ("waiting", "running", "kv_transfer") if (variant, repeat, k) not in have
         }
+        if missing == {"kv_transfer"} and not rows["prefill_instance"].notna().any():
+            continue  # nothing was offloaded: there is no transfer to rebuild
         if not missing:
             continue
         rebuilt = reconstruct_events(records, str(variant), int(str(repeat)))

@@ -225,14 +225,13 @@ def _paired(
     definition = METRICS[metric]
     if definition.level == "gpu" or "request_id" not in records.columns:
         return None
-    keys = ["repeat", "request_id"]
     columns = _unit_columns(definition)
 
     def table(name: str) -> pd.DataFrame:
         rows = records[records["variant"] == name]
         out = pd.DataFrame({
             "repeat": rows["repeat"].astype(int).to_numpy(),
-            "request_id": rows["request_id"].astype(str).to_numpy(),
+            "request_id": rows["request_id"].astype(str).reset_index(drop=True),
             "klass": rows["class"].to_numpy() if "class" in rows.columns else None,
         })  # fmt: skip
         if definition.kind == "ok_rate":
@@ -247,23 +246,38 @@ def _paired(
         return out
 
     base, var = table(baseline), table(variant)
-    if base.empty or var.empty or base.duplicated(keys).any() or var.duplicated(keys).any():
+    if base.empty or var.empty:
         return None
-    base_idx = pd.MultiIndex.from_frame(base[keys])
-    var_idx = pd.MultiIndex.from_frame(var[keys])
+    # one integer key per (repeat, request id), ordered as the pair sorts (ids as text),
+    # so the units' row order never depends on the order records were stored in
+    codes, names = pd.factorize(
+        pd.concat([base["request_id"], var["request_id"]], ignore_index=True), sort=True
+    )
+    codes = np.asarray(codes, dtype=np.int64)
+    width = max(len(names), 1)
+    base_key = base["repeat"].to_numpy(dtype=np.int64) * width + codes[: len(base)]
+    var_key = var["repeat"].to_numpy(dtype=np.int64) * width + codes[len(base) :]
+    if np.unique(base_key).size < base_key.size or np.unique(var_key).size < var_key.size:
+        return None
     if klass is not None:
-        universe = pd.MultiIndex.from_frame(base.loc[base["klass"] == klass, keys])
+        universe = np.unique(base_key[base["klass"].to_numpy() == klass])
+        # the baseline's requests of the class must turn up in the variant
+        shared = np.isin(universe, var_key)
     else:
-        universe = base_idx.union(var_idx)
-    # `universe` holds the variant's own ids unless restricted to a class; sharing means
-    # the baseline's requests (of the class) turn up in the variant
-    shared = (base_idx if klass is None else universe).isin(var_idx)
-    if universe.empty or not shared.any():
+        universe = np.union1d(base_key, var_key)
+        shared = np.isin(base_key, var_key)
+    if universe.size == 0 or not shared.any():
         return None
-    universe = universe.sort_values()
-    b = base.set_index(keys)[columns].reindex(universe).to_numpy(dtype=float)
-    v = var.set_index(keys)[columns].reindex(universe).to_numpy(dtype=float)
-    repeats = universe.get_level_values("repeat").to_numpy()
+
+    def aligned(frame: pd.DataFrame, key: np.ndarray) -> np.ndarray:
+        out = np.full((universe.size, len(columns)), np.nan)
+        pos = np.searchsorted(universe, key)
+        inside = (pos < universe.size) & (universe[np.minimum(pos, universe.size - 1)] == key)
+        out[pos[inside]] = frame[columns].to_numpy(dtype=float)[inside]
+        return out
+
+    b, v = aligned(base, base_key), aligned(var, var_key)
+    repeats = universe // width
     cuts = np.flatnonzero(np.diff(repeats)) + 1
     ids = [int(r) for r in repeats[np.r_[0, cuts]]]
     return ids, list(np.split(b, cuts)), list(np.split(v, cuts))

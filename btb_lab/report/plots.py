@@ -59,7 +59,13 @@ def cdf_points(values: np.ndarray, points: int = 240) -> tuple[np.ndarray, np.nd
     lo = 0.5 / n
     u = np.linspace(math.log(lo / (1 - lo)), math.log((1 - lo) / lo), points)
     levels = 1 / (1 + np.exp(-u))
-    return np.quantile(values, levels), levels
+    # numpy's linear quantiles from one sort (np.quantile partitions once per level)
+    ordered = np.sort(values)
+    position = levels * (n - 1)
+    low = np.floor(position).astype(np.int64)
+    high = np.minimum(low + 1, n - 1)
+    frac = position - low
+    return ordered[low] + (ordered[high] - ordered[low]) * frac, levels
 
 
 def _save(fig: Any, path: Path, dpi: int = 100) -> None:
@@ -146,11 +152,11 @@ def _latency_cdfs(
 
 
 def _instance_order(records: pd.DataFrame, events: pd.DataFrame) -> list[str]:
-    names = set(records["instance"].astype(str))
-    names |= set(records["prefill_instance"].dropna().astype(str)) - {""}
+    names = {str(n) for n in records["instance"].unique()}
+    names |= {str(n) for n in records["prefill_instance"].dropna().unique()} - {""}
     if not events.empty:
-        names |= {n for n in events["instance"].astype(str) if n}
-        names |= {n for n in events["peer"].astype(str) if n}
+        names |= {str(n) for n in events["instance"].unique() if n}
+        names |= {str(n) for n in events["peer"].unique() if n}
 
     def key(name: str) -> tuple[str, int, str]:
         head = name.rstrip("0123456789")
@@ -475,7 +481,8 @@ def write_plots(
                           variants, excluded or [])  # fmt: skip
     ok = records[records["ok"].astype(bool)] if len(records) else records
     if len(ok):
-        classes = [c for c in class_names if c in set(ok["class"].dropna())]
+        present = {str(c) for c in ok["class"].dropna().unique()}
+        classes = [c for c in class_names if c in present]
         written += _latency_cdfs(plt, plots_dir, ok, variants, classes)
     written += _utilization(plt, plots_dir, utilization, variants)
     return written

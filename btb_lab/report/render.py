@@ -12,6 +12,7 @@ from typing import Any
 
 import jinja2
 import numpy as np
+import pandas as pd
 
 from btb_lab.analysis.models import Comparison, RequestMetrics, Summary
 from btb_lab.analysis.scopes import measured_window
@@ -314,8 +315,9 @@ def _shown_fidelity(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def entry_context(run: AnalyzedRun) -> dict[str, Any]:
-    """Everything the report and log templates print, preformatted."""
+def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Everything the report and log templates print, preformatted (`timeline`: the first
+    repeat's events, when the caller has them already)."""
     hyp = run.hypothesis
     manifest = run.manifest
     summary = run.summary
@@ -378,7 +380,9 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
         "pools": _breakdown(summary, "pools"),
         "windows": _breakdown(summary, "windows"),
         "windows_total": len({w for v in summary.variants.values() for w in v.windows}),
-        "timeline_origins": _origins(run),
+        "timeline_origins": _origins(
+            timeline if timeline is not None else first_repeat_events(run)
+        ),
         "verdict_word": summary.verdict.word,
         "verdict_reason": summary.verdict.reason,
         "complete": summary.complete,
@@ -413,15 +417,23 @@ _ORIGIN_NOTES = {
 }
 
 
-def _origins(run: AnalyzedRun) -> list[str]:
-    """Where each kind of timeline event came from (events.parquet's `origin`)."""
+def first_repeat_events(run: AnalyzedRun) -> pd.DataFrame:
+    """The first repeat's events as the timeline draws them (stored, plus what the records
+    reconstruct)."""
     from btb_lab.analysis.timeline import timeline_events
 
-    first = run.all_records[run.all_records["repeat"] == run.all_records["repeat"].min()]
+    records = run.all_records
+    if records.empty:
+        return run.events
+    first = records[records["repeat"] == records["repeat"].min()]
     events = run.events
     if not events.empty:
         events = events[events["repeat"] == first["repeat"].min()]
-    merged = timeline_events(first, events) if len(first) else events
+    return timeline_events(first, events)
+
+
+def _origins(merged: pd.DataFrame) -> list[str]:
+    """Where each kind of timeline event came from (events.parquet's `origin`)."""
     if merged.empty:
         return []
     lines = []
@@ -457,11 +469,12 @@ def build_report(run_dir: Path) -> AnalyzedRun:
 
     run = analyze_run(run_dir)
     run.summary.save(run_dir)
-    context = entry_context(run)
+    timeline = first_repeat_events(run)
+    context = entry_context(run, timeline)
     context["plots"] = write_plots(
         run_dir / "plots", run.records, run.utilization,
         list(run.summary.variants), [r.name for r in run.hypothesis.classes],
-        all_records=run.all_records, events=run.events, excluded=_excluded_spans(run),
+        all_records=run.all_records, events=timeline, excluded=_excluded_spans(run),
     )  # fmt: skip
     (run_dir / "report.md").write_text(render_template("report.md.j2", context), encoding="utf-8")
     return run
