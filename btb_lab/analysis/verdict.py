@@ -618,7 +618,11 @@ def _tag(variant: str, baseline: str, cmp: Comparison) -> str:
                      f"{cmp.level * 100:.4g}% interval")  # fmt: skip
     total = sum(c is not None for c in cmp.repeat_changes)
     if total >= 2:
-        parts.append(f"{cmp.repeats_agree} of {total} repeats agree in direction")
+        text = f"{cmp.repeats_agree} of {total} repeats agree in direction"
+        unchanged = total - cmp.repeats_agree - cmp.repeats_contradict
+        if unchanged:
+            text += f", {unchanged} unchanged"
+        parts.append(text)
     return "(" + "; ".join(parts) + ")"
 
 

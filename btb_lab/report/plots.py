@@ -260,7 +260,7 @@ def _timeline(
     for block in range(len(variants)):
         ratios += ([0.45] if block else []) + [lane_h, 1.35, 1.35]
     fig, grid = plt.subplots(
-        len(ratios), 1, figsize=(12, sum(ratios) + 1.5), sharex=True,
+        len(ratios), 1, figsize=(12, sum(ratios) + 2.0), sharex=True,
         gridspec_kw={"height_ratios": ratios, "hspace": 0.12},
     )  # fmt: skip
     grid = np.atleast_1d(grid)
@@ -364,26 +364,33 @@ def _timeline(
         Line2D([], [], color=route_color[r], marker="|", ls="", ms=10, mew=2, label=r)
         for r in routes
     ]
-    marks += [
-        Patch(color=_BURST, alpha=0.6, label="burst window (workload)"),
-        Line2D([], [], color=_DETECT, ls="--", label="burst detected"),
-        Line2D([], [], color=_LANDED, marker="D", ls=":", label="warm copy landed"),
-        Line2D([], [], color=_TRANSFER, label="KV transfer (offload)"),
-    ]
+    kinds = set(events["kind"]) if not events.empty else set()
+    if len(bursts):
+        marks.append(Patch(color=_BURST, alpha=0.6, label="burst window (workload)"))
+    if "burst_detected" in kinds:
+        marks.append(Line2D([], [], color=_DETECT, ls="--", label="burst detected"))
+    if "warm_copy" in kinds:
+        marks.append(Line2D([], [], color=_LANDED, marker="D", ls=":", label="warm copy landed"))
+    if "kv_transfer" in kinds:
+        marks.append(Line2D([], [], color=_TRANSFER, label="KV transfer (offload)"))
     if excluded:
         marks.append(Patch(facecolor="none", edgecolor="0.6", hatch="//", label="excluded"))
-    fig.legend(handles=marks, loc="upper left", ncol=min(len(marks), 6), fontsize=8,
-               bbox_to_anchor=(0.06, 0.995), frameon=False)  # fmt: skip
+    # two legend rows above the plots: routes and marks, then instances
+    height = fig.get_figheight()
+    fig.suptitle(title, fontsize=11, y=1 - 0.06 / height, x=0.06, ha="left", va="top")
+    fig.legend(handles=marks, loc="upper left", ncol=min(len(marks), 7), fontsize=8,
+               bbox_to_anchor=(0.06, 1 - 0.32 / height), frameon=False)  # fmt: skip
+    rows_marks = math.ceil(len(marks) / 7)
     insts = [Line2D([], [], color=inst_colors(lane[i] % 10), label=i) for i in instances]
-    fig.legend(handles=insts, loc="upper right", ncol=min(len(insts), 8), fontsize=8,
-               bbox_to_anchor=(0.99, 0.995), frameon=False, title="instances",
-               title_fontsize=8)  # fmt: skip
-    height = sum(ratios) + 1.5
+    fig.legend(handles=insts, loc="upper left", ncol=min(len(insts), 10), fontsize=8,
+               bbox_to_anchor=(0.06, 1 - (0.4 + 0.2 * rows_marks) / height), frameon=False,
+               title="instances (queue depth, running batch)", title_fontsize=8,
+               alignment="left")  # fmt: skip
     note = _provenance(events)
     if note:
         fig.text(0.08, 0.08 / height, note, fontsize=7.5, color="0.35", ha="left", va="bottom")
-    fig.suptitle(title, fontsize=11, y=1.0 + 0.25 / height, x=0.06, ha="left")
-    fig.subplots_adjust(left=0.08, right=0.99, top=1 - 0.9 / height, bottom=0.75 / height)
+    top = (0.4 + 0.2 * rows_marks + 0.75) / height
+    fig.subplots_adjust(left=0.08, right=0.99, top=1 - top, bottom=0.75 / height)
     return fig
 
 

@@ -181,7 +181,10 @@ def _agreement(c: Comparison) -> str:
     if total < 2:
         return "1 repeat" if total == 1 else "n/a"
     text = f"{c.repeats_agree}/{total}"
-    return text + (f" ({c.repeats_contradict} against)" if c.repeats_contradict else "")
+    if c.repeats_contradict:
+        text += f" ({c.repeats_contradict} against)"
+    unchanged = total - c.repeats_agree - c.repeats_contradict
+    return text + (f" ({unchanged} unchanged)" if unchanged else "")
 
 
 def _level(c: Comparison) -> str:
@@ -239,8 +242,9 @@ def _statistics(run: AnalyzedRun) -> list[str]:
         total = sum(x is not None for x in c.repeat_changes)
         if total >= 2:
             changes = ", ".join(_pct(x) for x in c.repeat_changes)
+            against = f", {c.repeats_contradict} against" if c.repeats_contradict else ""
             lines.append(
-                f"Repeats ({name}): {c.repeats_agree} of {total} agree in direction "
+                f"Repeats ({name}): {c.repeats_agree} of {total} agree in direction{against} "
                 f"({changes})" + ("; every repeat must agree" if rule.require_all_repeats else "")
             )
         elif total == 1:
