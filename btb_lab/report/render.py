@@ -172,7 +172,8 @@ _METHOD_WORDS = {
     "cells": "paired bootstrap, exact (outcome cells)",
     "rows": "paired bootstrap, exact (rows drawn by index)",
     "normal": "normal approximation of the paired bootstrap (run too large to resample rows)",
-    "unpaired": "bootstrap of each variant on its own (no shared requests, or time samples)",
+    "unpaired": "bootstrap of each variant's time samples (or requests without shared ids) on "
+    "its own, the same repeats drawn for both",
 }
 
 
