@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import importlib.metadata
+import math
 import platform
 import socket
 import subprocess
@@ -43,6 +44,7 @@ from btb_lab.results import (
     finalize_parquet,
     new_run_dir,
     new_run_id,
+    write_events_part,
     write_utilization_part,
 )
 
@@ -134,14 +136,31 @@ class RunPlan:
                 f"workload: {self.requests_per_run if self.requests_per_run is not None else '?'} "
                 f"requests per run, time_scale {h.workload.time_scale:g}"
             ),
-            f"repeats: {self.repeats}, master seed {self.seed}",
+            f"repeats: {self.repeats_text()}, master seed {self.seed}",
             f"variants ({len(self.variants)}; baseline {h.baseline}):",
         ]
         for name in self.variants:
             v = h.variants[name]
             lines.append(f"  {name}: {v.router.policy} {v.router.params or ''}".rstrip())
-        lines.append(f"runs: {len(self.variants) * self.repeats} (variants × repeats)")
+        auto = self.hypothesis.auto_repeats
+        runs = len(self.variants) * self.repeats
+        if auto is not None:
+            lines.append(f"runs: {runs} to {len(self.variants) * auto.max} (variants × repeats)")
+        else:
+            lines.append(f"runs: {runs} (variants × repeats)")
         return lines
+
+    def repeats_text(self) -> str:
+        auto = self.hypothesis.auto_repeats
+        if auto is None:
+            return str(self.repeats)
+        target = (
+            auto.half_width if auto.half_width is not None else self.hypothesis.verdict.min_effect
+        )
+        return (
+            f"auto ({auto.min} to {auto.max}, until every primary interval's half-width is "
+            f"at most {target * 100:g} points)"
+        )
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -162,6 +181,7 @@ def _overrides(options: RunOptions) -> dict[str, Any]:
     merged = dict(options.overrides)
     if options.repeats is not None:
         merged["repeats"] = options.repeats
+        merged["auto_repeats"] = None  # an explicit count replaces `repeats: auto`
     if options.requests is not None:
         merged["workload.requests"] = options.requests
     if options.time_scale is not None:
@@ -315,13 +335,23 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     interrupted = False
     try:
         with _Progress(options.progress) as progress:
-            for repeat in range(plan.repeats):
+            repeat = 0
+            planned = plan.repeats
+            while True:
                 workload_seed = derive_seed(plan.seed, "workload", repeat)
                 requests = _load_requests(loaded, workload_seed)
                 manifest.requests_per_run = len(requests)
                 for name in plan.variants:
                     _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
                              manifest, progress, workload_seed)  # fmt: skip
+                repeat += 1
+                if repeat >= planned:
+                    planned = _repeats_needed(hyp, plan.variants, run_dir, manifest, repeat)
+                    if repeat >= planned:
+                        break
+                    manifest.repeats = planned  # `repeats: auto` goes past its minimum
+                    manifest.runs_planned = len(plan.variants) * planned
+                    manifest.save(run_dir)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -346,6 +376,41 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     if interrupted:
         raise RunInterrupted(run_dir)
     return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)
+
+
+def _repeats_needed(
+    hyp: Hypothesis, variants: list[str], run_dir: Path, manifest: Manifest, done: int
+) -> int:
+    """How many repeats the run needs, judged after `done` of them: `repeats`, or with
+    `repeats: auto` as many as make every primary interval's half-width at most the
+    target — `done` when they already do, else the widest interval's projection (half-
+    widths shrink as 1/√repeats), at least one more and at most the cap. Stopping on the
+    interval's width, not on where it lies, keeps the rule from steering the verdict; a
+    failed run stops at once."""
+    auto = hyp.auto_repeats
+    if auto is None:
+        return hyp.repeats
+    if done < auto.min:
+        return auto.min
+    if done >= auto.max or manifest.failed_variants:
+        return done
+    from btb_lab.analysis.summary import measured_frames
+    from btb_lab.analysis.verdict import evaluate_verdict
+    from btb_lab.results import read_records, read_utilization
+
+    records, util, _ = measured_frames(
+        hyp, read_records(run_dir, variants), read_utilization(run_dir, variants)
+    )
+    verdict = evaluate_verdict(records, util, hyp.verdict, baseline=hyp.baseline,
+                               variants=variants, seed=hyp.seed)  # fmt: skip
+    target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
+    widths = [vv.primary.half_width for vv in verdict.variants.values() if vv.primary is not None]
+    if all(w is not None and w <= target + 1e-12 for w in widths):
+        return done
+    known = [w for w in widths if w is not None]
+    if len(known) < len(widths) or not known:
+        return done + 1
+    return min(auto.max, max(done + 1, math.ceil(done * (max(known) / target) ** 2)))
 
 
 def _options_json(options: RunOptions) -> dict[str, Any]:
@@ -390,7 +455,11 @@ def _run_one(
     ctx = RunContext(
         hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
         seed=seed, run_dir=run_dir, sink=sink, costs=costs,
-        progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
+        progress=progress.task(
+            f"{name} r{repeat + 1}/"
+            + (f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)),
+            len(requests),
+        ),
     )  # fmt: skip
     try:
         result = backend.run_variant(ctx, list(requests))
@@ -417,6 +486,7 @@ def _run_one(
         entry.finished = _now()
         manifest.save(run_dir)
     write_utilization_part(run_dir, name, repeat, result.utilization)
+    write_events_part(run_dir, name, repeat, result.events)
     entry.status = "ok"
     manifest.fidelity[name] = dict(result.fidelity)
     manifest.telemetry_source = result.telemetry_source
