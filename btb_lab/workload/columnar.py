@@ -15,17 +15,16 @@ import re
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from btb_lab.workload.hashing import BlockIdInterner
+from btb_lab.workload.hashing import stable_hashes63
 
 __all__ = [
-    "BLOCK_BYTES",
-    "Batches",
+    "CHUNK_BYTES",
     "Fallback",
     "block_id_tuples",
     "id_type",
@@ -38,7 +37,7 @@ __all__ = [
     "turns",
 ]
 
-BLOCK_BYTES = 1 << 24  # JSON parsed in blocks of 16 MiB (a row must fit in one)
+CHUNK_BYTES = 1 << 25  # JSON read 32 MiB at a time, parsed in blocks of an eighth of that
 _PARQUET_ROWS = 16_384
 _BOM = b"\xef\xbb\xbf"
 
@@ -50,36 +49,19 @@ class Fallback(Exception):
 _NULL_TURN = re.compile(rb'"turn" *: *null')
 
 
-def _prescan_jsonl(path: Path) -> tuple[int, bool]:
-    """Lines in `path` and whether a `"turn": null` is written anywhere, after checking
-    that pyarrow and `json.loads` read it alike.
-
-    The only control byte allowed is the newline (`json.loads` rejects raw control
-    characters in strings; `\\r` would split lines differently); no byte-order mark.
-    """
-    lines = 0
-    null_turn = False
-    last = b""
-    carry = b""  # the tail that may start a `"turn": null` cut by the chunk boundary
+def _line_chunks(path: Path) -> Iterator[bytes]:
+    """The file in chunks of about `CHUNK_BYTES` that end at a line's end (the last one
+    may lack its newline)."""
+    rest = b""
     with path.open("rb") as handle:
-        first = True
-        while chunk := handle.read(BLOCK_BYTES):
-            if first and chunk.startswith(_BOM):
-                raise Fallback("byte-order mark")
-            first = False
-            newlines = chunk.count(b"\n")
-            if int(np.count_nonzero(np.frombuffer(chunk, np.uint8) < 0x20)) != newlines:
-                raise Fallback("control bytes other than newlines")
-            lines += newlines
-            last = chunk[-1:]
-            if not null_turn:
-                text = carry + chunk
-                null_turn = _NULL_TURN.search(text) is not None
-                start = text.rfind(b'"turn"')
-                carry = text[start:] if start >= 0 else text[-5:]
-    if last and last != b"\n":
-        lines += 1
-    return lines, null_turn
+        while data := handle.read(CHUNK_BYTES):
+            data = rest + data
+            cut = data.rfind(b"\n") + 1
+            rest = data[cut:]
+            if cut:
+                yield data[:cut]
+    if rest:
+        yield rest
 
 
 def _first_row(path: Path) -> dict[str, Any]:
@@ -139,45 +121,51 @@ def schema(fields: dict[str, str], ids: pa.DataType) -> pa.Schema:
     )
 
 
-class Batches(NamedTuple):
-    """A file's record batches and whether a null `metadata.turn` under present metadata
-    may be a written null (`{"turn": null}`, an error) rather than no turn at all."""
+def read_batches(path: Path, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, bool]]:
+    """Record batches of `schema`'s columns (absent ones all null), in file order, each
+    with whether a null `metadata.turn` under present metadata in it may be a written
+    null (`{"turn": null}`, which the row loader rejects) rather than no turn at all.
 
-    batches: Iterator[pa.RecordBatch]
-    null_turn_written: bool
-
-
-def read_batches(path: Path, schema: pa.Schema) -> Batches:
-    """Record batches of `schema`'s columns (absent ones all null), in file order.
-
-    JSONL: every line holds exactly one row (no blank lines, so row k is line k + 1).
-    Parquet: columns are widened to `schema` only where that cannot change a value.
+    JSONL: parsed a chunk of whole lines at a time (several blocks of a chunk in
+    parallel); every line holds exactly one row, so row k is line k + 1, and the only
+    control byte is the newline (`json.loads` rejects raw control characters in strings,
+    `\\r` would split lines differently); no byte-order mark. Parquet: columns are
+    widened to `schema` only where that cannot change a value.
     """
     if path.suffix == ".parquet":
-        return Batches(_parquet_batches(path, schema), True)
-    lines, null_turn = _prescan_jsonl(path)
-    return Batches(_jsonl_batches(path, schema, lines), null_turn)
-
-
-def _jsonl_batches(path: Path, schema: pa.Schema, lines: int) -> Iterator[pa.RecordBatch]:
+        for batch in _parquet_batches(path, schema):
+            yield batch, True
+        return
     import pyarrow.json as pj
 
-    rows = 0
-    try:
-        reader = pj.open_json(
-            path,
-            read_options=pj.ReadOptions(block_size=BLOCK_BYTES),
-            parse_options=pj.ParseOptions(
-                explicit_schema=schema, unexpected_field_behavior="ignore"
-            ),
-        )
-        for batch in reader:
-            rows += batch.num_rows
-            yield batch
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        raise Fallback(str(exc)) from None
-    if rows != lines:
-        raise Fallback("blank lines or several objects on one line")
+    read_options = pj.ReadOptions(block_size=max(1 << 20, CHUNK_BYTES // 8), use_threads=True)
+    parse_options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    for index, chunk in enumerate(_line_chunks(path)):
+        if index == 0 and chunk.startswith(_BOM):
+            raise Fallback("byte-order mark")
+        newlines = chunk.count(b"\n")
+        if int(np.count_nonzero(np.frombuffer(chunk, np.uint8) < 0x20)) != newlines:
+            raise Fallback("control bytes other than newlines")
+        try:
+            table = pj.read_json(
+                pa.BufferReader(chunk), read_options=read_options, parse_options=parse_options
+            )
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise Fallback(str(exc)) from None
+        if table.num_rows != newlines + (not chunk.endswith(b"\n")):
+            raise Fallback("blank lines or several objects on one line")
+        null_turn = _turnless_metadata(table) and _NULL_TURN.search(chunk) is not None
+        for batch in table.to_batches():
+            yield batch, null_turn
+
+
+def _turnless_metadata(table: pa.Table) -> bool:
+    """Whether some row has metadata but a null turn (only then is the chunk searched
+    for a written `"turn": null`)."""
+    if "metadata" not in table.column_names:
+        return False
+    metadata = table.column("metadata")
+    return bool(pc.struct_field(metadata, "turn").null_count > metadata.null_count)
 
 
 def _parquet_batches(path: Path, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
@@ -286,14 +274,11 @@ def turns(
 
 
 def block_id_tuples(
-    batch: pa.RecordBatch,
-    input_tokens: list[int],
-    block_tokens: int,
-    interner: BlockIdInterner,
-    name: str = "hash_ids",
+    batch: pa.RecordBatch, input_tokens: list[int], block_tokens: int, name: str = "hash_ids"
 ) -> list[tuple[int, ...]]:
-    """Each row's block ids as a tuple; every distinct id goes through `interner` once
-    per batch, and each id is one shared int object."""
+    """Each row's block ids as a tuple. Each distinct id of the batch is converted once
+    (strings hashed as `block_id` hashes them) and is one int object that all its
+    occurrences in the batch share."""
     lists = batch.column(name)
     _no_nulls(lists, name)
     offsets = lists.offsets.to_numpy()
@@ -307,7 +292,7 @@ def block_id_tuples(
     encoded = pc.dictionary_encode(values)
     distinct = encoded.dictionary.to_pylist()
     ids = np.empty(len(distinct), dtype=object)
-    ids[:] = list(map(interner.__getitem__, distinct))
-    flat: list[int] = ids[encoded.indices.to_numpy(zero_copy_only=False)].tolist()
+    ids[:] = stable_hashes63(distinct) if pa.types.is_string(values.type) else distinct
+    flat = tuple(ids[encoded.indices.to_numpy(zero_copy_only=False)].tolist())
     bounds = (offsets - offsets[0]).tolist()
-    return [tuple(flat[a:b]) for a, b in pairwise(bounds)]
+    return [flat[a:b] for a, b in pairwise(bounds)]

@@ -259,15 +259,13 @@ def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
 def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]:
     fields = {"timestamp": "time", "input_length": "length", "output_length": "length"}
     schema = col.schema(fields, col.id_type(path, allow_str=False))
-    interner = BlockIdInterner()
     out: list[Request] = []
     last_ms = -math.inf
-    reader = col.read_batches(path, schema)
-    for batch in reader.batches:
+    for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens, interner)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         line_no = len(out)
@@ -370,12 +368,10 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
         "group_id": "text", "metadata": "metadata",
     }  # fmt: skip
     schema = col.schema(fields, col.id_type(path, allow_str=True))
-    interner = BlockIdInterner()
     seen_ids: set[str] = set()
     session_turns = _SessionTurns()
     out: list[Request] = []
-    reader = col.read_batches(path, schema)
-    for batch in reader.batches:
+    for batch, null_turn_written in col.read_batches(path, schema):
         arrivals = col.required_times(batch, "arrival_s")
         trace_ids = col.required_text(batch, "trace_id")
         sources = col.required_text(batch, "source")
@@ -384,10 +380,10 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
         request_ids = col.required_text(batch, "request_id")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens, interner)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens)
         sessions = col.optional_text(batch, "session_id")
         groups = col.optional_text(batch, "group_id")
-        turns, has_turn = col.turns(batch, reader.null_turn_written)
+        turns, has_turn = col.turns(batch, null_turn_written)
         rows = zip(
             arrivals, trace_ids, sources, request_ids, inputs, outputs, hashes, sessions,
             groups, turns, has_turn, strict=True,
@@ -469,18 +465,16 @@ def _columnar_art_chat(col: Any, path: Path, block_tokens: int) -> list[Request]
         "input_length": "length", "output_length": "length",
     }  # fmt: skip
     schema = col.schema(fields, col.id_type(path, allow_str=True))
-    interner = BlockIdInterner()
     seen_ids: set[str] = set()
     out: list[Request] = []
     last_ms = -math.inf
-    reader = col.read_batches(path, schema)
-    for batch in reader.batches:
+    for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp_ms")
         request_ids = col.required_text(batch, "request_id")
         prompts = col.optional_text(batch, "system_prompt_hash")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens, interner)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         before = len(seen_ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-__all__ = ["BlockIdAllocator", "BlockIdInterner", "block_id", "stable_hash63"]
+__all__ = ["BlockIdAllocator", "BlockIdInterner", "block_id", "stable_hash63", "stable_hashes63"]
 
 _MASK_63 = (1 << 63) - 1
 
@@ -19,6 +19,14 @@ def stable_hash63(text: str) -> int:
     """A 63-bit non-negative int that is the same in every process and on every machine."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") & _MASK_63
+
+
+def stable_hashes63(texts: Iterable[str]) -> list[int]:
+    """`stable_hash63` of each of `texts`, in one pass (no function call per text)."""
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    return [
+        from_bytes(blake2b(t.encode(), digest_size=8).digest(), "big") & _MASK_63 for t in texts
+    ]
 
 
 def block_id(value: int | str) -> int:
