@@ -6,7 +6,7 @@ two-variant hypothesis (cache_aware and btb on 4 × (4×H100) llama-3.3-70b, one
 Every run is a fresh process; the figures per run:
 
 - whole: spawn to exit, as a user waits for `btb-lab run`;
-- peak RSS: the process's high-water mark (`wait4`);
+- peak RSS: the process's high-water mark (VmHWM);
 - stages: import (the CLI's modules), load (trace → requests), simulate (every variant,
   records stored), analyse (`analyze_run`: metrics, bootstrap, verdict), report (plots
   and report.md), other (the rest of the command: planning, parquet, printing), start+exit
@@ -153,11 +153,13 @@ def _drop_turns(path: Path) -> None:
     """seed_bursty rows name their burst job as the session and every request turn 1; a
     loader from before one turn could hold several requests rejects that, so the bench
     file leaves `turn` out (turn 1 is the default): every checkout reads the same rows."""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    with path.open("w", encoding="utf-8") as handle:
-        for row in rows:
+    tmp = path.with_suffix(".tmp")
+    with path.open(encoding="utf-8") as rows, tmp.open("w", encoding="utf-8") as handle:
+        for line in rows:
+            row = json.loads(line)
             row["metadata"].pop("turn", None)
             handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+    tmp.replace(path)
 
 
 def _write_short(path: Path, n: int = 20_000) -> None:
@@ -206,6 +208,14 @@ def engine_loop(fn):
         return result
     return wrapper
 
+def peak_rss_kib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
 PATCHES = {
     "btb_lab.runner": [("_load_requests", lambda f: timed("load", f)),
                        ("_run_one", lambda f: timed("simulate", f))],
@@ -244,7 +254,8 @@ except SystemExit as exc:
 T2 = time.perf_counter()
 stages["import"] = T1 - T0
 with open(out_file, "w") as handle:
-    json.dump({"stages": stages, "loop": loop, "inside_s": T2 - T0, "code": code}, handle)
+    json.dump({"stages": stages, "loop": loop, "inside_s": T2 - T0, "code": code,
+               "peak_rss_kib": peak_rss_kib()}, handle)
 """
 
 
@@ -300,7 +311,8 @@ def _child(code: Path, script: str, args: list[str], work: Path) -> tuple[float,
         raise SystemExit(f"{code}: {' '.join(args)} failed:\n{text}")
     data = json.loads(result.read_text())
     shutil.rmtree(out)
-    return whole, usage.ru_maxrss / 1024, data
+    # the child's own high-water mark: wait4's can carry the parent's from before exec
+    return whole, data.get("peak_rss_kib", usage.ru_maxrss) / 1024, data
 
 
 def one_run(code: Path, hypothesis: Path, work: Path) -> Run:
@@ -330,11 +342,41 @@ done = time.perf_counter()
 digest = hashlib.sha256()
 for r in requests:
     digest.update(repr(r.block_hashes).encode())
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 json.dump({"import_s": imported - start, "load_s": done - imported, "rows": len(requests),
+           "peak_rss_kib": hwm,
            "blocks": sum(len(r.block_hashes) for r in requests),
            "distinct": len({h for r in requests for h in r.block_hashes}),
            "ids_sha256": digest.hexdigest()}, open(sys.argv[1], "w"))
 """
+
+
+VALIDATE_DRIVER = r"""
+import json, sys, time
+start = time.perf_counter()
+out = sys.argv[1]
+from btb_lab.cli import main
+sys.argv = ["btb-lab", "validate", sys.argv[2]]
+try:
+    main()
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("numpy", "pandas", "pyarrow", "matplotlib") if m in sys.modules)
+json.dump({"inside_s": time.perf_counter() - start, "heavy": heavy}, open(out, "w"))
+"""
+
+
+def validate_bench(codes: list[Path], runs: int, work: Path) -> None:
+    """`btb-lab validate hypotheses/h1.yaml` as a whole process (the checkout's own file)."""
+    print("\nvalidate hypotheses/h1.yaml (whole process, median of", runs * 3, "runs):")
+    for code in codes:
+        hypothesis = code / "hypotheses" / "h1.yaml"
+        if not hypothesis.is_file():
+            hypothesis = ROOT / "hypotheses" / "h1.yaml"
+        results = [_child(code, VALIDATE_DRIVER, [str(hypothesis)], work) for _ in range(runs * 3)]
+        whole = statistics.median(r[0] for r in results)
+        heavy = ", ".join(results[0][2]["heavy"]) or "none"
+        print(f"  {_label(code):<14} {whole:5.2f} s  (heavy libraries loaded: {heavy})")
 
 
 def load_bench(codes: list[Path], windows: int, runs: int, work: Path) -> None:
@@ -441,6 +483,7 @@ def main() -> None:
                     one_run(code, hypotheses[case.name], args.work)
                 )
     report(cases, codes, results)
+    validate_bench(codes, args.runs, args.work)
     if args.load_windows:
         load_bench(codes, args.load_windows, args.runs, args.work)
     load = os.getloadavg()
