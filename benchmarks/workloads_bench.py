@@ -116,7 +116,7 @@ def _btb(*args: str) -> None:
     subprocess.run([str(btb), *args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-def prepare(case: Case, work: Path) -> Path:
+def prepare(case: Case, work: Path, traces: Path) -> Path:
     """Write the case's trace file (unless present) and hypothesis; returns the hypothesis."""
     trace = work / case.trace
     if not trace.is_file():
@@ -128,7 +128,7 @@ def prepare(case: Case, work: Path) -> Path:
             _btb("trace", "generate", "bursted", "--seed", "0", "-p", "windows=8",
                  "-p", "burst_size=500", "-p", "prefix_tokens=65536", "-p", "burst_spread_s=10",
                  "-p", "real_windows=8",
-                 "-p", f"real_trace={TRACES / 'mooncake_conversation.jsonl'}",
+                 "-p", f"real_trace={traces / 'mooncake_conversation.jsonl'}",
                  "-o", str(trace))  # fmt: skip
         elif case.name == "agentic":
             _btb("trace", "generate", "agentic", "--seed", "0", "-p", "sessions=1000",
@@ -136,7 +136,7 @@ def prepare(case: Case, work: Path) -> Path:
                  "-p", "think_time_s_mean=20", "-p", "first_turn_tokens_median=32000",
                  "-p", "growth_tokens_median=2000", "-o", str(trace))  # fmt: skip
         elif case.name == "mooncake":
-            trace.write_bytes((TRACES / "mooncake_conversation.jsonl").read_bytes())
+            trace.write_bytes((traces / "mooncake_conversation.jsonl").read_bytes())
         else:
             _write_short(trace)
     case.rows = sum(1 for _ in trace.open("rb"))
@@ -453,6 +453,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="Comma-separated case names.")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "btb-bench")
     parser.add_argument("--json", type=Path, default=None, help="Also write every run here.")
+    parser.add_argument("--traces", type=Path, default=TRACES,
+                        help="Folder of the shipped Mooncake traces.")  # fmt: skip
     parser.add_argument("--load-windows", type=int, default=19,
                         help="seed_bursty windows to load (19: 78,280 rows); 0: none.")  # fmt: skip
     args = parser.parse_args()
@@ -461,11 +463,11 @@ def main() -> None:
         raise SystemExit("--code folders need distinct names")
     args.work.mkdir(parents=True, exist_ok=True)
     cases = [CASES[name] for name in args.cases.split(",") if name]
-    if not (TRACES / "mooncake_conversation.jsonl").is_file():
+    if not (args.traces / "mooncake_conversation.jsonl").is_file():
         skipped = [c.name for c in cases if c.name in ("mooncake", "bursted_mixed")]
-        print(f"no {TRACES}: skipping {', '.join(skipped)}")
+        print(f"no {args.traces}: skipping {', '.join(skipped)}")
         cases = [c for c in cases if c.name not in skipped]
-    hypotheses = {case.name: prepare(case, args.work) for case in cases}
+    hypotheses = {case.name: prepare(case, args.work, args.traces) for case in cases}
     load = os.getloadavg()
     print(
         f"workloads bench: {len(cases)} cases × {len(codes)} checkouts × {args.runs} runs; load "
