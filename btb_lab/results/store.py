@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import operator
 import os
 import secrets
 from collections.abc import Iterable
@@ -106,11 +107,12 @@ def _part_name(variant: str, repeat: int, kind: str) -> str:
     return f"{kind}-{safe}-{digest}-r{repeat:03d}.jsonl"
 
 
+_RECORD_VALUES = operator.attrgetter(*("klass" if c == "class" else c for c in RECORD_COLUMNS))
+
+
 def record_row(rec: RequestRecord) -> dict[str, Any]:
     """One RequestRecord as a row with the RECORD_COLUMNS names (+ `extra` as JSON)."""
-    row: dict[str, Any] = {}
-    for column in RECORD_COLUMNS:
-        row[column] = rec.klass if column == "class" else getattr(rec, column)
+    row: dict[str, Any] = dict(zip(RECORD_COLUMNS, _RECORD_VALUES(rec), strict=True))
     row["extra"] = json.dumps(rec.extra, sort_keys=True) if rec.extra else None
     return row
 

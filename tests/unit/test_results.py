@@ -137,3 +137,14 @@ def test_parts_read_as_columns_give_the_frames_the_line_reader_gives(
             lines = frame_of()
         pd.testing.assert_frame_equal(columnar, lines, check_exact=True)
     assert len(read["requests"]()) == 3
+
+
+def test_record_row_names_every_column_in_order() -> None:
+    from btb_lab.results.store import record_row
+
+    row = record_row(rec(3))
+    assert list(row) == [*RECORD_COLUMNS, "extra"]
+    assert row["class"] == "WARM"
+    assert (row["request_id"], row["first_token_s"], row["ok"]) == ("r3", 3.5, True)
+    assert row["extra"] == '{"k": 1}'
+    assert row["error"] is None
