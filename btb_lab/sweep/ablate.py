@@ -202,7 +202,7 @@ def _plot(wide: pd.DataFrame, headline: str, path: Path) -> None:
     ax.set_xticks(list(x), [str(c) for c in wide.columns], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel(headline)
     ax.set_title("Assumption waterfall: each step switches one more rule to the causal default")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
