@@ -3,6 +3,7 @@ btb-lab's causal defaults, and the sweep table's published-figure columns."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -31,12 +32,14 @@ def test_steps_are_cumulative_and_end_at_the_causal_defaults() -> None:
     doc = ablation_sweep(load_sweep(TABLE), "infer-sim")
     steps = doc["axes"]["step"]
     labels = step_labels("infer-sim")
-    assert list(steps) == labels and len(labels) == len(ABLATIONS["infer-sim"]) + 1
+    assert list(steps) == labels
+    assert len(labels) == len(ABLATIONS["infer-sim"]) + 1
     assert steps[labels[0]] == {}
-    for earlier, later in zip(labels, labels[1:], strict=False):
+    for earlier, later in itertools.pairwise(labels):
         assert set(steps[earlier]) <= set(steps[later])  # cumulative
     first = _resolved({**doc["overrides"], **steps[labels[0]]})
-    assert first.sim.window_replay == "fresh" and first.costs.gpu_memory_utilization == 1.0
+    assert first.sim.window_replay == "fresh"
+    assert first.costs.gpu_memory_utilization == 1.0
     last = _resolved({**doc["overrides"], **steps[labels[-1]]})
     # every rule switched: the causal defaults, only the profile's name left
     assert last.sim == SimSettings(profile="infer-sim")
@@ -54,7 +57,7 @@ def test_steps_are_cumulative_and_end_at_the_causal_defaults() -> None:
 def test_every_step_switches_something() -> None:
     doc = ablation_sweep(load_sweep(TABLE), "infer-sim")
     steps = list(doc["axes"]["step"].values())
-    for before, after in zip(steps, steps[1:], strict=False):
+    for before, after in itertools.pairwise(steps):
         assert len(after) > len(before) or after != before
 
 
