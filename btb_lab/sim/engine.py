@@ -31,8 +31,8 @@ rule that keeps the invariant and lets later requests share them at once).
 Decode bandwidth. By default a decode step reads every sequence's whole context: sharing
 saves memory, not bandwidth. With `shared_prefix_attention` (cascade attention, as in
 vLLM) a pinned leading prompt block that several decoding sequences share is read once
-per step: each instance counts the decoding sequences referencing each such block
-(`dec_refs`) and keeps `shared_dup_tokens` = sum over blocks of (refs - 1) × block_tokens,
+per step: each instance counts the decoding sequences referencing each such block and
+keeps the sum over blocks of (refs - 1) × block_tokens (`decode.SharedPrefixReads`),
 subtracted from `ctx_base` as a sequence joins the batch and added back as it leaves.
 Joins and leaves happen only at segment boundaries, so the closed form stays exact.
 """
@@ -51,6 +51,7 @@ from btb_lab.errors import UserError
 from btb_lab.policies.base import Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.costs import SimCostModel
+from btb_lab.sim.decode import TIME_EPS_S, SharedPrefixReads, segment_s, steps_reaching
 from btb_lab.sim.hardware import InstanceSpec
 from btb_lab.sim.settings import SimSettings
 
@@ -79,8 +80,6 @@ JOB_WARM = 3  # recompute a prefix here to warm the cache (no request behind it)
 PHASE_IDLE = 0
 PHASE_PREFILL = 1
 PHASE_DECODE = 2
-
-_EPS = 1e-12
 
 
 class SimInvariantError(AssertionError):
@@ -125,7 +124,7 @@ class _Job:
         self.rec = rec
         self.need = 0  # KV tokens reserved while admitted (the full cost while waiting)
         self.n_pin = 0  # leading blocks of `hashes` this job pins on its current instance
-        self.n_shared = 0  # leading blocks it counts in `dec_refs` while decoding
+        self.n_shared = 0  # leading blocks it counts in the batch's shared reads
         self.enq_s = 0.0
         self.hashes: Sequence[int] = req.block_hashes if req is not None else ()
         self.block_tokens = req.block_tokens if req is not None else 0
@@ -156,7 +155,6 @@ class _Inst:
         "ctx_base",
         "dK",
         "dW",
-        "dec_refs",
         "disk_tok_s",
         "hbm",
         "index",
@@ -184,7 +182,7 @@ class _Inst:
         "seg_start",
         "seg_steps",
         "seg_version",
-        "shared_dup_tokens",
+        "shared",
         "spec",
         "steps_done",
         "waiting",
@@ -212,10 +210,8 @@ class _Inst:
         # HBM blocks in use by admitted requests (kv_prefix_sharing): hash -> reference
         # count. Always a subset of `hbm`; never evicted.
         self.pins: dict[int, int] = {}
-        # shared_prefix_attention: pinned block -> decoding sequences whose context holds
-        # it, and the tokens a step would read twice without cascade attention
-        self.dec_refs: dict[int, int] = {}
-        self.shared_dup_tokens = 0
+        # shared_prefix_attention: the pinned prompt blocks the decoding batch shares
+        self.shared = SharedPrefixReads(block_tokens)
         self.ram: OrderedDict[int, None] = OrderedDict()
         kvb = spec.kv_bytes_per_token
         self.ram_cap_blocks = (
@@ -413,13 +409,13 @@ class Engine:
             if inst.n_seqs > self.max_batch:
                 raise SimInvariantError(f"{inst.name}: batch above max_batch")
             dup = 0
-            for h, refs in inst.dec_refs.items():
+            for h, refs in inst.shared.refs.items():
                 if refs <= 0 or h not in inst.pins:
                     raise SimInvariantError(f"{inst.name}: decode reference to block {h} bad")
                 dup += (refs - 1) * bt
-            if dup != inst.shared_dup_tokens or (dup and not self.shared_attn):
+            if dup != inst.shared.dup_tokens or (dup and not self.shared_attn):
                 raise SimInvariantError(f"{inst.name}: shared prefix count {dup} is off")
-            if not inst.run_heap and (inst.dec_refs or inst.ctx_base):
+            if not inst.run_heap and (inst.shared.refs or inst.ctx_base):
                 raise SimInvariantError(f"{inst.name}: decode context left with no batch")
         return t
 
@@ -726,36 +722,19 @@ class Engine:
         elif phase == PHASE_DECODE and inst.waiting and self._admissible(inst, inst.waiting[0]):
             self._cut_segment(inst)
 
-    def _seg_dur(self, inst: _Inst, k: int) -> float:
-        return k * inst.seg_c0 + inst.seg_c1 * k * (k - 1) * 0.5
-
     def _cut_segment(self, inst: _Inst) -> None:
-        elapsed = self.now - inst.seg_start
-        c0, c1 = inst.seg_c0, inst.seg_c1
-        if elapsed <= 0:
-            k = 0
-        else:
-            # smallest k with dur(k) >= elapsed: the step boundary at or after now
-            a = 0.5 * c1
-            b = c0 - 0.5 * c1
-            if a > 0:
-                k = math.ceil((-b + math.sqrt(b * b + 4 * a * elapsed)) / (2 * a))
-            else:
-                k = math.ceil(elapsed / b)
-            # guard the float root: k is the smallest step count reaching `elapsed`
-            target = elapsed - _EPS
-            while k > 0 and (k - 1) * c0 + c1 * (k - 1) * (k - 2) * 0.5 >= target:
-                k -= 1
-            while k * c0 + c1 * k * (k - 1) * 0.5 < target:
-                k += 1
+        """Stop the running decode segment at the step boundary at or after now."""
+        k = steps_reaching(self.now - inst.seg_start, inst.seg_c0, inst.seg_c1)
         if k >= inst.seg_steps:
             return
         inst.seg_steps = k
         inst.seg_version += 1
-        end = inst.seg_start + k * c0 + c1 * k * (k - 1) * 0.5
-        self.seq += 1
-        heapq.heappush(
-            self.heap, (end, PRI_SEGMENT, self.seq, EV_SEGMENT, inst.index, inst.seg_version)
+        self._push(
+            segment_s(k, inst.seg_c0, inst.seg_c1, inst.seg_start),
+            PRI_SEGMENT,
+            EV_SEGMENT,
+            inst.index,
+            inst.seg_version,
         )
 
     def _step(self, inst: _Inst) -> None:
@@ -808,7 +787,7 @@ class Engine:
             if was_idle:
                 inst.busy_since = now
             self._push(
-                now + steps * inst.seg_c0 + inst.seg_c1 * steps * (steps - 1) * 0.5,
+                segment_s(steps, inst.seg_c0, inst.seg_c1, now),
                 PRI_SEGMENT,
                 EV_SEGMENT,
                 inst.index,
@@ -988,37 +967,17 @@ class Engine:
     def _join_shared(self, inst: _Inst, job: _Job, input_tokens: int) -> int:
         """Count `job`'s pinned leading blocks (whole ones inside its prompt) as read by
         the batch; returns the tokens already read by another sequence."""
-        bt = self.block_tokens
-        n = min(job.n_pin, input_tokens // bt)
+        n = min(job.n_pin, input_tokens // self.block_tokens)
         if n <= 0:
             return 0
-        refs = inst.dec_refs
-        get = refs.get
-        dup = 0
-        for h in job.hashes[:n]:
-            c = get(h, 0)
-            if c:
-                dup += 1
-            refs[h] = c + 1
         job.n_shared = n
-        inst.shared_dup_tokens += dup * bt
-        return dup * bt
+        return inst.shared.join(job.hashes, n)
 
     def _leave_shared(self, inst: _Inst, job: _Job) -> int:
         """Undo `_join_shared` as `job` leaves the batch; returns the tokens it no longer
         duplicates."""
-        refs = inst.dec_refs
-        dup = 0
-        for h in job.hashes[: job.n_shared]:
-            c = refs[h] - 1
-            if c:
-                refs[h] = c
-                dup += 1
-            else:
-                del refs[h]
+        dup = inst.shared.leave(job.hashes, job.n_shared)
         job.n_shared = 0
-        dup *= self.block_tokens
-        inst.shared_dup_tokens -= dup
         return dup
 
     # ---------------------------------------------------------------- handlers
@@ -1069,7 +1028,9 @@ class Engine:
     def _on_transfer(self, index: int, payload: Any) -> None:
         inst = self.insts[index]
         if isinstance(payload, _Warm):
-            hashes = [h for h in payload.hashes if inst.pending.get(h, math.inf) <= self.now + _EPS]
+            hashes = [
+                h for h in payload.hashes if inst.pending.get(h, math.inf) <= self.now + TIME_EPS_S
+            ]
             self._insert(inst, hashes)
             self._kick(inst)
             return

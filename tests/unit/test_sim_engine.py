@@ -388,7 +388,7 @@ def test_shared_prefix_attention_reads_a_shared_prefix_once_by_hand(
     )
     assert step0 == pytest.approx(decode_step_s(2 * 2561 - dup), rel=1e-12)
     for inst in eng.insts:
-        assert (inst.dec_refs, inst.shared_dup_tokens, inst.ctx_base) == ({}, 0, 0)
+        assert (inst.shared.refs, inst.shared.dup_tokens, inst.ctx_base) == ({}, 0, 0)
 
 
 def test_shared_prefix_attention_counts_each_block_once_for_three_sequences() -> None:
@@ -408,13 +408,13 @@ def test_shared_prefix_attention_counts_each_block_once_for_three_sequences() ->
         eng._begin_decode(inst, job)
         jobs.append(job)
     contexts = 3 * (2560 + 1) + (1536 + 1)
-    assert inst.shared_dup_tokens == 2 * 4 * 512
+    assert inst.shared.dup_tokens == 2 * 4 * 512
     assert inst.ctx_base == contexts - 2 * 4 * 512
     eng._leave_shared(inst, jobs[0])
-    assert inst.shared_dup_tokens == 4 * 512
+    assert inst.shared.dup_tokens == 4 * 512
     for job in jobs[1:]:
         eng._leave_shared(inst, job)
-    assert (inst.dec_refs, inst.shared_dup_tokens) == ({}, 0)
+    assert (inst.shared.refs, inst.shared.dup_tokens) == ({}, 0)
 
 
 def test_shared_prefix_attention_needs_prefix_sharing() -> None:

@@ -141,7 +141,7 @@ def test_engine_invariants(
     assert stats["failed"] == 0
     for inst in engine.insts:  # every reference and reservation was released
         assert (inst.pins, inst.reserved) == ({}, 0)
-        assert (inst.dec_refs, inst.shared_dup_tokens, inst.ctx_base) == ({}, 0, 0)
+        assert (inst.shared.refs, inst.shared.dup_tokens, inst.ctx_base) == ({}, 0, 0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,0 +1,107 @@
+"""The pieces of work in an instance's waiting queue, one class per kind.
+
+Every job has `hashes` (its prompt's leading block hashes), `need` (KV tokens it reserves
+while admitted; while waiting, its full cost) and `enq_s` (when it was last queued).
+Request jobs also carry the request and the record the engine stamps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+from btb_lab.records import Request, RequestRecord
+
+__all__ = ["DecodeJob", "Job", "KVJob", "PrefillJob", "ReqJob", "WarmJob"]
+
+
+class ReqJob:
+    """A co-located request: prefill here, then decode here."""
+
+    __slots__ = ("enq_s", "hashes", "n_pin", "n_shared", "need", "park_s", "parked", "rec", "req")
+
+    def __init__(self, req: Request, rec: RequestRecord, need: int) -> None:
+        self.req = req
+        self.rec = rec
+        self.hashes: Sequence[int] = req.block_hashes
+        self.need = need
+        self.enq_s = 0.0
+        self.n_pin = 0  # leading blocks of `hashes` pinned on this instance
+        self.n_shared = 0  # leading blocks counted in the batch's shared prefix reads
+        self.parked = False  # waited once for a warm copy (never twice)
+        self.park_s = 0.0  # when it was parked
+
+
+class PrefillJob:
+    """Prefill here for another (decode) instance, then ship the KV there."""
+
+    __slots__ = (
+        "cold",
+        "decode_inst",
+        "enq_s",
+        "hashes",
+        "n_pin",
+        "need",
+        "park_s",
+        "parked",
+        "prefill_inst",
+        "prefill_start_s",
+        "rec",
+        "req",
+    )
+
+    def __init__(
+        self,
+        req: Request,
+        rec: RequestRecord,
+        need: int,
+        *,
+        prefill_inst: int,
+        decode_inst: int,
+        cold: bool,
+    ) -> None:
+        self.req = req
+        self.rec = rec
+        self.hashes: Sequence[int] = req.block_hashes
+        self.need = need
+        self.enq_s = 0.0
+        self.n_pin = 0
+        self.prefill_inst = prefill_inst
+        self.decode_inst = decode_inst
+        self.cold = cold  # the prefill ignores cached prefixes (Decision.prefill_cold)
+        self.parked = False
+        self.park_s = 0.0
+        self.prefill_start_s = 0.0
+
+
+class KVJob:
+    """Decode here from KV a prefill instance shipped (the second half of a PrefillJob)."""
+
+    __slots__ = ("cold", "enq_s", "hashes", "n_pin", "n_shared", "need", "rec", "req")
+
+    def __init__(self, req: Request, rec: RequestRecord, need: int, *, cold: bool) -> None:
+        self.req = req
+        self.rec = rec
+        self.hashes: Sequence[int] = req.block_hashes
+        self.need = need
+        self.enq_s = 0.0
+        self.n_pin = 0
+        self.n_shared = 0
+        # the prefill was cold: admission counts none of its blocks as already pinned here
+        self.cold = cold
+
+
+class WarmJob:
+    """Recompute a prefix here to warm the cache; no request behind it, reserves nothing."""
+
+    __slots__ = ("enq_s", "hashes", "need", "tokens")
+
+    def __init__(self, hashes: Sequence[int], tokens: int) -> None:
+        self.hashes = hashes
+        self.tokens = tokens  # tokens to prefill: the prefix's blocks, whole
+        self.need = 0
+        self.enq_s = 0.0
+
+
+Job: TypeAlias = ReqJob | PrefillJob | KVJob | WarmJob
+DecodeJob: TypeAlias = ReqJob | KVJob  # the jobs that join a decode batch
