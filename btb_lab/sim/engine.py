@@ -42,7 +42,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +50,7 @@ from typing import Any
 from btb_lab.errors import UserError
 from btb_lab.policies.base import Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord, UtilSample
+from btb_lab.sim.cache import PrefixCache, RoutedBlocks, SimInvariantError
 from btb_lab.sim.costs import SimCostModel
 from btb_lab.sim.decode import TIME_EPS_S, SharedPrefixReads, segment_s, steps_reaching
 from btb_lab.sim.hardware import InstanceSpec
@@ -80,10 +81,6 @@ JOB_WARM = 3  # recompute a prefix here to warm the cache (no request behind it)
 PHASE_IDLE = 0
 PHASE_PREFILL = 1
 PHASE_DECODE = 2
-
-
-class SimInvariantError(AssertionError):
-    """A model invariant broke (only checked with `audit=True`, as tests do)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,12 +148,11 @@ class _Inst:
     __slots__ = (
         "busy_bins",
         "busy_since",
-        "cap_tokens",
+        "cache",
         "ctx_base",
         "dK",
         "dW",
         "disk_tok_s",
-        "hbm",
         "index",
         "link_free_s",
         "load",
@@ -166,15 +162,9 @@ class _Inst:
         "n_seqs",
         "name",
         "p_tok_s",
-        "pending",
         "phase",
-        "pins",
-        "ram",
-        "ram_cap_blocks",
         "ram_tok_s",
-        "reserved",
         "routed",
-        "routed_cap",
         "run_heap",
         "run_seq",
         "seg_c0",
@@ -188,7 +178,13 @@ class _Inst:
         "waiting",
     )
 
-    def __init__(self, spec: InstanceSpec, settings: SimSettings, block_tokens: int) -> None:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        settings: SimSettings,
+        block_tokens: int,
+        disk: set[int] | None,
+    ) -> None:
         self.spec = spec
         self.index = spec.index
         self.name = spec.name
@@ -204,23 +200,21 @@ class _Inst:
         self.run_seq = 0
         self.ctx_base = 0
         self.n_seqs = 0
-        self.reserved = 0
-        self.cap_tokens = spec.kv_budget_tokens
-        self.hbm: OrderedDict[int, None] = OrderedDict()
-        # HBM blocks in use by admitted requests (kv_prefix_sharing): hash -> reference
-        # count. Always a subset of `hbm`; never evicted.
-        self.pins: dict[int, int] = {}
-        # shared_prefix_attention: the pinned prompt blocks the decoding batch shares
-        self.shared = SharedPrefixReads(block_tokens)
-        self.ram: OrderedDict[int, None] = OrderedDict()
         kvb = spec.kv_bytes_per_token
-        self.ram_cap_blocks = (
+        ram_cap_blocks = (
             int(settings.host_ram_bytes // (kvb * block_tokens)) if settings.host_ram_tier else 0
         )
-        self.pending: dict[int, float] = {}
+        self.cache = PrefixCache(
+            spec.name,
+            spec.kv_budget_tokens,
+            block_tokens,
+            ram_cap_blocks=ram_cap_blocks,
+            disk=disk,
+        )
+        # shared_prefix_attention: the pinned prompt blocks the decoding batch shares
+        self.shared = SharedPrefixReads(block_tokens)
         self.link_free_s = 0.0
-        self.routed: OrderedDict[int, None] = OrderedDict()
-        self.routed_cap = max(1, self.cap_tokens // block_tokens)
+        self.routed = RoutedBlocks(max(1, spec.kv_budget_tokens // block_tokens))
         self.load = InstanceLoad(spec.index, spec.name, spec.role, 0, 0, 0)
         self.busy_since = 0.0
         self.busy_bins: list[float] = []
@@ -237,40 +231,26 @@ class _Inst:
         self.disk_tok_s = kvb / spec.disk_bw
 
 
-def _lead(cache: dict[int, Any] | OrderedDict[int, None], hashes: Sequence[int]) -> int:
-    """Leading blocks of `hashes` present in `cache`."""
-    n = 0
-    for h in hashes:
-        if h not in cache:
-            break
-        n += 1
-    return n
-
-
 class _View:
     """The `ClusterView` a policy sees; attributes are updated in place as the run goes."""
 
-    __slots__ = ("_hbm", "_known", "costs", "instances", "now_s")
+    __slots__ = ("_complete", "_known", "costs", "instances", "now_s")
 
     def __init__(self, engine: Engine) -> None:
         self.now_s = 0.0
         self.instances: list[InstanceLoad] = [i.load for i in engine.insts]
         self.costs = engine.costs
         # the cache objects live as long as the run, so the view can hold them directly
-        self._hbm = [i.hbm for i in engine.insts]
-        self._known = [i.routed for i in engine.insts] if engine.view_routed else self._hbm
+        self._complete = [i.cache for i in engine.insts]
+        self._known: Sequence[PrefixCache | RoutedBlocks] = (
+            [i.routed for i in engine.insts] if engine.view_routed else self._complete
+        )
 
     def match_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
-        cache = self._known[instance]
-        n = 0
-        for h in block_hashes:
-            if h not in cache:
-                return n
-            n += 1
-        return n
+        return self._known[instance].lead(block_hashes)
 
     def complete_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
-        return _lead(self._hbm[instance], block_hashes)
+        return self._complete[instance].lead(block_hashes)
 
 
 @dataclass
@@ -311,10 +291,12 @@ class Engine:
         self.max_batch = settings.max_batch
         self.setup_s = settings.transfer_setup_ms / 1e3
         self.dt = settings.sample_interval_s
-        self.insts = [_Inst(s, settings, block_tokens) for s in instances]
+        # the disk tier is one set of blocks shared by the cluster
+        self.disk: set[int] = set()
+        disk = self.disk if settings.disk_tier else None
+        self.insts = [_Inst(s, settings, block_tokens, disk) for s in instances]
         self.costs = SimCostModel(instances, settings.mfu, self.setup_s)
         self.view = _View(self)
-        self.disk: set[int] = set()
         self.heap: list[tuple[float, int, int, int, int, Any]] = []
         self.seq = 0
         self.now = 0.0
@@ -389,28 +371,17 @@ class Engine:
     def _audit_time(self, t: float, last: float) -> float:
         if t < last:
             raise SimInvariantError(f"time went backwards: {t} < {last}")
+        bt = self.block_tokens
         for inst in self.insts:
-            bt = self.block_tokens
-            if inst.reserved > inst.cap_tokens:
-                raise SimInvariantError(f"{inst.name}: reserved KV above budget")
-            if len(inst.hbm) * bt > inst.cap_tokens - inst.reserved:
-                raise SimInvariantError(f"{inst.name}: HBM cache above its budget")
-            if len(inst.pins) * bt + inst.reserved > inst.cap_tokens:
-                raise SimInvariantError(f"{inst.name}: pinned + reserved KV above budget")
-            if inst.pins and not self.sharing:
+            cache = inst.cache
+            cache.check()
+            if cache.n_pinned() and not self.sharing:
                 raise SimInvariantError(f"{inst.name}: blocks pinned without sharing")
-            for h, refs in inst.pins.items():
-                if refs <= 0:
-                    raise SimInvariantError(f"{inst.name}: block {h} pinned {refs} times")
-                if h not in inst.hbm:
-                    raise SimInvariantError(f"{inst.name}: pinned block {h} was evicted")
-            if len(inst.ram) > inst.ram_cap_blocks:
-                raise SimInvariantError(f"{inst.name}: host RAM cache above its budget")
             if inst.n_seqs > self.max_batch:
                 raise SimInvariantError(f"{inst.name}: batch above max_batch")
             dup = 0
             for h, refs in inst.shared.refs.items():
-                if refs <= 0 or h not in inst.pins:
+                if refs <= 0 or not cache.pin_count(h):
                     raise SimInvariantError(f"{inst.name}: decode reference to block {h} bad")
                 dup += (refs - 1) * bt
             if dup != inst.shared.dup_tokens or (dup and not self.shared_attn):
@@ -466,7 +437,7 @@ class Engine:
         total = req.input_tokens + req.output_tokens
         dinst.load.outstanding_tokens += total
         if self.view_routed:
-            self._route_note(dinst, req.block_hashes)
+            dinst.routed.note(req.block_hashes)
         prompt = req.input_tokens
         if self.sharing and len(req.block_hashes) * self.block_tokens > prompt:
             prompt = len(req.block_hashes) * self.block_tokens  # whole blocks
@@ -480,7 +451,7 @@ class Engine:
             pinst = insts[p]
             pinst.load.outstanding_tokens += req.input_tokens
             if self.view_routed:
-                self._route_note(pinst, req.block_hashes)
+                pinst.routed.note(req.block_hashes)
             job = _Job(JOB_P, req, rec)
             job.need = prompt
             job.cold = decision.prefill_cold
@@ -495,16 +466,6 @@ class Engine:
             if blocks > req.input_tokens:
                 return blocks
         return req.input_tokens
-
-    def _route_note(self, inst: _Inst, hashes: Sequence[int]) -> None:
-        routed = inst.routed
-        for h in hashes:
-            if h in routed:
-                routed.move_to_end(h)
-            else:
-                routed[h] = None
-        while len(routed) > inst.routed_cap:
-            routed.popitem(last=False)
 
     def _enqueue(self, inst: _Inst, job: _Job, *, front: bool = False) -> None:
         job.enq_s = self.now
@@ -526,11 +487,11 @@ class Engine:
             raise ValueError(f"warm target {action.target} out of range")
         target = insts[action.target]
         hashes = req.block_hashes[: max(0, action.n_blocks)]
-        if not hashes or _lead(target.hbm, hashes) >= len(hashes):
+        if not hashes or target.cache.lead(hashes) >= len(hashes):
             self.stats["warm_copies_skipped"] += 1
             return
         if self.view_routed:
-            self._route_note(target, hashes)
+            target.routed.note(hashes)
         if action.mode == "prefill":
             job = _Job(JOB_WARM, None, None)
             job.hashes = hashes
@@ -543,19 +504,13 @@ class Engine:
             raise ValueError(f"rdma warm action needs a valid source, got {action.source}")
         source = insts[action.source]
         now = self.now
-        n_complete = _lead(source.hbm, hashes)
+        n_complete = source.cache.lead(hashes)
         ready = now
         n_copy = n_complete
         if n_complete < len(hashes):
             # Blocks still being produced on the source (its running prefill, or a copy
             # arriving there) may be copied once complete, never earlier.
-            pending = source.pending
-            for h in hashes[n_complete:]:
-                t = pending.get(h)
-                if t is None:
-                    break
-                n_copy += 1
-                ready = max(ready, t)
+            n_copy, ready = source.cache.pending_run(hashes, n_complete, now)
         if n_copy == 0:
             self.stats["warm_copies_skipped"] += 1
             return
@@ -565,10 +520,7 @@ class Engine:
         start = max(now, ready, target.link_free_s)
         done = start + self.setup_s + nbytes / bw
         target.link_free_s = done
-        pend = target.pending
-        for h in copy:
-            if h not in target.hbm:
-                pend[h] = max(pend.get(h, 0.0), done)
+        target.cache.expect_copy(copy, done)
         self.stats["warm_copies"] += 1
         self.stats["warm_bytes"] += nbytes
         if self.audit:
@@ -579,139 +531,49 @@ class Engine:
             done, PRI_TRANSFER, EV_TRANSFER, target.index, _Warm(source.index, target.index, copy)
         )
 
-    # ---------------------------------------------------------------- cache
-    def _fit_hbm(self, inst: _Inst) -> None:
-        """Evict least recently used blocks to host RAM (then disk) until the HBM cache fits
-        in the KV budget not reserved by admitted requests."""
-        allowed = (inst.cap_tokens - inst.reserved) // self.block_tokens
-        hbm = inst.hbm
-        if len(hbm) <= allowed:
-            return
-        ram = inst.ram
-        ram_cap = inst.ram_cap_blocks
-        disk = self.disk if self.settings.disk_tier else None
-        pins = inst.pins
-        skipped = 0
-        while len(hbm) > allowed:
-            h, _ = hbm.popitem(last=False)
-            if pins and h in pins:
-                # in use by a running request: it stays resident (now the most recent)
-                hbm[h] = None
-                skipped += 1
-                if skipped > len(pins):
-                    raise SimInvariantError(f"{inst.name}: pinned blocks exceed the KV budget")
-                continue
-            if ram_cap:
-                ram[h] = None
-                if len(ram) > ram_cap:
-                    old, _ = ram.popitem(last=False)
-                    if disk is not None:
-                        disk.add(old)
-            elif disk is not None:
-                disk.add(h)
-
-    def _insert(self, inst: _Inst, hashes: Sequence[int], *, fit: bool = True) -> None:
-        hbm = inst.hbm
-        ram = inst.ram
-        pending = inst.pending
-        for h in hashes:
-            if h in hbm:
-                hbm.move_to_end(h)
-            else:
-                hbm[h] = None
-                if ram:
-                    ram.pop(h, None)
-            if pending:
-                pending.pop(h, None)
-        if fit:
-            self._fit_hbm(inst)
-
+    # ---------------------------------------------------------------- pins
     def _pin(self, inst: _Inst, job: _Job, upto: int) -> None:
         """Pin `job.hashes[job.n_pin:upto]` (resident in HBM) for `job`; its reservation
-        (`need`) shrinks by as many blocks. The caller adjusts `inst.reserved`."""
-        start = job.n_pin
-        if upto <= start:
-            return
-        pins = inst.pins
-        hashes = job.hashes
-        get = pins.get
-        if start == 0 and upto == len(hashes):
-            for h in hashes:
-                pins[h] = get(h, 0) + 1
-        else:
-            for i in range(start, upto):
-                h = hashes[i]
-                pins[h] = get(h, 0) + 1
-        job.n_pin = upto
-        job.need -= (upto - start) * self.block_tokens
+        (`need`) shrinks by as many blocks. The caller adjusts the instance's reserve."""
+        if upto > job.n_pin:
+            job.need -= inst.cache.pin(job.hashes, job.n_pin, upto)
+            job.n_pin = upto
 
     def _insert_pinned(self, inst: _Inst, job: _Job) -> None:
-        """`_insert` of the whole prompt of `job` without the fit, pinning the blocks it
-        does not pin yet (one pass: this runs once per request)."""
-        hbm = inst.hbm
-        ram = inst.ram
-        pending = inst.pending
-        pins = inst.pins
-        get = pins.get
-        hashes = job.hashes
-        start = job.n_pin
-        for i, h in enumerate(hashes):
-            if h in hbm:
-                hbm.move_to_end(h)
-            else:
-                hbm[h] = None
-                if ram:
-                    ram.pop(h, None)
-            if pending:
-                pending.pop(h, None)
-            if i >= start:
-                pins[h] = get(h, 0) + 1
-        job.n_pin = len(hashes)
-        job.need -= (len(hashes) - start) * self.block_tokens
+        """Insert the whole prompt of `job` without the fit, pinning the blocks it does not
+        pin yet; its reservation shrinks by as many blocks."""
+        job.need -= inst.cache.insert_pinned(job.hashes, job.n_pin)
+        job.n_pin = len(job.hashes)
 
     def _unpin(self, inst: _Inst, job: _Job) -> None:
         """Drop `job`'s references; a block nobody pins becomes evictable, most recent."""
-        pins = inst.pins
-        hbm = inst.hbm
-        hashes = job.hashes
-        n = job.n_pin
-        for h in hashes if n == len(hashes) else hashes[:n]:
-            refs = pins[h] - 1
-            if refs:
-                pins[h] = refs
-            else:
-                del pins[h]
-                hbm.move_to_end(h)
+        inst.cache.unpin(job.hashes, job.n_pin)
         job.n_pin = 0
 
     # ---------------------------------------------------------------- scheduling
     def _admissible(self, inst: _Inst, job: _Job) -> bool:
-        if job.need > inst.cap_tokens:
+        cache = inst.cache
+        cap = cache.cap_tokens
+        if job.need > cap:
             return True  # fails at once, which also unblocks the queue
         if job.kind != JOB_WARM and inst.n_seqs >= self.max_batch:
             return False
         if not self.sharing:
-            return inst.reserved + job.need <= inst.cap_tokens
-        used = inst.reserved + len(inst.pins) * self.block_tokens
-        return used + job.need <= inst.cap_tokens or used + self._cost(inst, job) <= inst.cap_tokens
+            return cache.reserved + job.need <= cap
+        used = cache.used_tokens()
+        return used + job.need <= cap or used + self._cost(inst, job) <= cap
 
     def _cost(self, inst: _Inst, job: _Job) -> int:
         """KV that admitting `job` adds at most (sharing): its full cost less the leading
         prompt blocks already pinned here, which it will reuse without new memory. Cold
         prefills, warm jobs and received KV that is not reusable share nothing."""
         need = job.need
-        pins = inst.pins
-        if not pins or not job.hashes or job.cold:
+        if not job.hashes or job.cold:
             return need
         kind = job.kind
         if kind == JOB_WARM or (kind == JOB_KV and not self.reusable):
             return need
-        n = 0
-        for h in job.hashes:
-            if h not in pins:
-                break
-            n += 1
-        return need - n * self.block_tokens
+        return need - inst.cache.lead_pinned(job.hashes) * self.block_tokens
 
     def _kick(self, inst: _Inst) -> None:
         """Something changed on `inst`: start work if idle, or cut the current decode
@@ -744,26 +606,23 @@ class Engine:
         waiting = inst.waiting
         was_idle = inst.phase == PHASE_IDLE
         sharing = self.sharing
-        bt = self.block_tokens
+        cache = inst.cache
+        cap = cache.cap_tokens
         while waiting:
             job = waiting[0]
-            if job.need > inst.cap_tokens:
+            if job.need > cap:
                 waiting.popleft()
                 inst.load.waiting -= 1
-                self._fail(
-                    inst, job, f"needs {job.need} KV tokens; {inst.name} holds {inst.cap_tokens}"
-                )
+                self._fail(inst, job, f"needs {job.need} KV tokens; {inst.name} holds {cap}")
                 continue
             if job.kind != JOB_WARM and inst.n_seqs >= self.max_batch:
                 break
             if sharing:
-                used = inst.reserved + len(inst.pins) * bt
+                used = cache.used_tokens()
                 # the full cost fitting settles it without scanning the pins
-                if used + job.need > inst.cap_tokens and (
-                    used + self._cost(inst, job) > inst.cap_tokens
-                ):
+                if used + job.need > cap and (used + self._cost(inst, job) > cap):
                     break
-            elif inst.reserved + job.need > inst.cap_tokens:
+            elif cache.reserved + job.need > cap:
                 break
             waiting.popleft()
             inst.load.waiting -= 1
@@ -798,9 +657,12 @@ class Engine:
             self._add_busy(inst, inst.busy_since, now)
         inst.phase = PHASE_IDLE
 
-    def _reserve(self, inst: _Inst, tokens: int, *, fit: bool = True) -> None:
-        inst.reserved += tokens
-        used = inst.reserved + len(inst.pins) * self.block_tokens
+    def _reserve(self, inst: _Inst, tokens: int) -> None:
+        """Reserve `tokens` of KV on `inst` (sampling its memory use), then fit the cache in
+        what is left."""
+        cache = inst.cache
+        cache.reserved += tokens
+        used = cache.used_tokens()
         k = int(self.now / self.dt)
         if k != inst.mem_bin:
             if inst.mem_bin >= 0:
@@ -809,8 +671,7 @@ class Engine:
             inst.mem_peak = used
         elif used > inst.mem_peak:
             inst.mem_peak = used
-        if fit:
-            self._fit_hbm(inst)
+        cache.fit()
 
     def _start_prefill(self, inst: _Inst, job: _Job) -> bool:
         """Start the prefill of `job`; False when it was parked to wait for a warm copy."""
@@ -828,26 +689,9 @@ class Engine:
         load_s = 0.0
         tier: str | None = None
         n_use = 0
+        cache = inst.cache
         if hashes and not job.cold:
-            hbm = inst.hbm
-            ram = inst.ram
-            disk = self.disk if self.settings.disk_tier else None
-            n_hbm_lead = -1
-            n = n_ram = n_disk = 0
-            for h in hashes:
-                if h in hbm:
-                    pass
-                elif h in ram:
-                    n_ram += 1
-                elif disk is not None and h in disk:
-                    n_disk += 1
-                else:
-                    break
-                if n_hbm_lead < 0 and (n_ram or n_disk):
-                    n_hbm_lead = n
-                n += 1
-            if n_hbm_lead < 0:
-                n_hbm_lead = n
+            n_hbm_lead, n, n_ram, n_disk = cache.lead_tiers(hashes)
             # best of: HBM-only lead, or the whole run loaded from lower tiers
             c_lead = min(n_hbm_lead * bt, tokens)
             best = (tokens - c_lead) * p_tok
@@ -861,16 +705,8 @@ class Engine:
                     n_use, cached, load_s = n, c_all, ld
                     tier = "disk" if n_disk else "ram"
             # a warm copy in flight to this instance may beat recomputing: wait for it
-            pending = inst.pending
-            if pending and not job.parked and job.kind != JOB_WARM and n < len(hashes):
-                ready = now
-                m = n
-                for h in hashes[n:]:
-                    t = pending.get(h)
-                    if t is None:
-                        break
-                    m += 1
-                    ready = max(ready, t)
+            if not job.parked and job.kind != JOB_WARM and n < len(hashes) and cache.has_pending():
+                m, ready = cache.pending_run(hashes, n, now)
                 if m > n:
                     c_wait = min(m * bt, tokens)
                     ld = (n_ram * inst.ram_tok_s + n_disk * inst.disk_tok_s) * bt
@@ -885,12 +721,7 @@ class Engine:
             if n_use and self.after_prefill:
                 # touch / promote the blocks this prefill reuses (at_admission inserts
                 # the whole prompt below, which touches them too)
-                for h in hashes[:n_use]:
-                    if h in hbm:
-                        hbm.move_to_end(h)
-                    else:
-                        hbm[h] = None
-                        ram.pop(h, None)
+                cache.touch(hashes, n_use)
         prefill_s = (tokens - cached) * p_tok
         dur = load_s + prefill_s
         done = now + dur
@@ -914,14 +745,10 @@ class Engine:
             else:
                 self._insert_pinned(inst, job)
         elif hashes and not self.after_prefill:
-            self._insert(inst, hashes, fit=False)
+            cache.insert(hashes, fit=False)
         self._reserve(inst, job.need)
         if hashes and self.after_prefill:
-            pending = inst.pending
-            hbm = inst.hbm
-            for h in hashes[n_use:]:
-                if h not in hbm:
-                    pending[h] = done
+            cache.expect(hashes, n_use, done)
         inst.phase = PHASE_PREFILL
         self.seq += 1
         heapq.heappush(self.heap, (done, PRI_PREFILL, self.seq, EV_PREFILL, inst.index, job))
@@ -945,7 +772,7 @@ class Engine:
                 self._reserve(inst, job.need)
             else:
                 self._reserve(inst, job.need)
-                self._insert(inst, job.hashes)
+                inst.cache.insert(job.hashes)
         else:
             self._reserve(inst, job.need)
         self._begin_decode(inst, job)
@@ -989,10 +816,10 @@ class Engine:
                 # its own blocks are resident now: move them from reserved to pinned
                 before = job.need
                 self._insert_pinned(inst, job)
-                inst.reserved -= before - job.need
-                self._fit_hbm(inst)
+                inst.cache.reserved -= before - job.need
+                inst.cache.fit()
             else:
-                self._insert(inst, job.hashes)
+                inst.cache.insert(job.hashes)
         if kind == JOB_REQ:
             assert job.rec is not None
             job.rec.first_token_s = self.now
@@ -1028,17 +855,14 @@ class Engine:
     def _on_transfer(self, index: int, payload: Any) -> None:
         inst = self.insts[index]
         if isinstance(payload, _Warm):
-            hashes = [
-                h for h in payload.hashes if inst.pending.get(h, math.inf) <= self.now + TIME_EPS_S
-            ]
-            self._insert(inst, hashes)
+            inst.cache.insert_arrived(payload.hashes, self.now, TIME_EPS_S)
             self._kick(inst)
             return
         job: _Job = payload
         req = job.req
         assert req is not None
         pinst = self.insts[job.prefill_inst]
-        pinst.reserved -= job.need
+        pinst.cache.reserved -= job.need
         if job.n_pin:
             self._unpin(pinst, job)
         self._kick(pinst)
@@ -1085,7 +909,7 @@ class Engine:
         rec.decode_s = now - rec.first_token_s
         inst.n_seqs -= 1
         inst.load.running -= 1
-        inst.reserved -= job.need
+        inst.cache.reserved -= job.need
         if job.n_pin:
             self._unpin(inst, job)
         inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens

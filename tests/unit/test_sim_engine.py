@@ -268,8 +268,8 @@ def test_shared_prefix_lets_a_burst_run_concurrently_only_with_sharing(visibilit
         assert rec.first_token_s == pytest.approx(t0 + i * 512 * P_TOK, rel=1e-9)
         assert rec.queue_s == pytest.approx(t0 + (i - 1) * 512 * P_TOK - 0.001 * i, rel=1e-9)
         assert rec.first_token_s < on["r0"].finish_s  # type: ignore[operator]
-    assert eng.insts[0].pins == {}
-    assert eng.insts[0].reserved == 0
+    assert eng.insts[0].cache.n_pinned() == 0
+    assert eng.insts[0].cache.reserved == 0
 
     off, _ = run(reqs, Scripted({}), insts=inst, kv_visibility=visibility, kv_prefix_sharing=False)
     # each reserves its whole 60%-of-budget prompt: they run one at a time
@@ -333,7 +333,7 @@ def test_offload_decode_side_shares_the_received_prefix() -> None:
     assert r1.cached_tokens == len(prefix) * 512
     assert r1.first_token_s < r0.finish_s  # type: ignore[operator]
     for i in eng.insts:
-        assert (i.pins, i.reserved) == ({}, 0)
+        assert (i.cache.n_pinned(), i.cache.reserved) == (0, 0)
     recs, _ = run(reqs, Scripted(script), kv_visibility="after_prefill", kv_prefix_sharing=False)
     assert recs["r1"].first_token_s >= recs["r0"].finish_s  # type: ignore[operator]
 
@@ -403,8 +403,7 @@ def test_shared_prefix_attention_counts_each_block_once_for_three_sequences() ->
         r = req(f"r{i}", 0.0, blocks, out=5)
         job = _Job(JOB_REQ, r, None)
         job.n_pin = len(blocks)
-        for h in blocks:
-            inst.pins[h] = inst.pins.get(h, 0) + 1
+        inst.cache.insert_pinned(blocks, 0)
         eng._begin_decode(inst, job)
         jobs.append(job)
     contexts = 3 * (2560 + 1) + (1536 + 1)
