@@ -54,6 +54,7 @@ from btb_lab.sim.cache import PrefixCache, RoutedBlocks, SimInvariantError
 from btb_lab.sim.costs import SimCostModel
 from btb_lab.sim.decode import TIME_EPS_S, SharedPrefixReads, segment_s, steps_reaching
 from btb_lab.sim.hardware import InstanceSpec
+from btb_lab.sim.jobs import DecodeJob, Job, KVJob, PrefillJob, ReqJob, WarmJob
 from btb_lab.sim.settings import SimSettings
 
 __all__ = ["Engine", "SimInvariantError", "WarmLogEntry"]
@@ -71,12 +72,6 @@ EV_TRANSFER = 0
 EV_PARK = 1
 EV_PREFILL = 2
 EV_SEGMENT = 3
-
-# Job kinds in an instance's waiting queue.
-JOB_REQ = 0  # co-located: prefill here, then decode here
-JOB_P = 1  # prefill here for another (decode) instance, then ship the KV
-JOB_KV = 2  # decode here from KV shipped by a prefill instance
-JOB_WARM = 3  # recompute a prefix here to warm the cache (no request behind it)
 
 PHASE_IDLE = 0
 PHASE_PREFILL = 1
@@ -96,44 +91,9 @@ class WarmLogEntry:
     done_s: float
 
 
-class _Job:
-    __slots__ = (
-        "block_tokens",
-        "cold",
-        "decode_inst",
-        "enq_s",
-        "hashes",
-        "kind",
-        "n_pin",
-        "n_shared",
-        "need",
-        "parked",
-        "prefill_inst",
-        "prefill_start_s",
-        "rec",
-        "req",
-        "warm_tokens",
-    )
-
-    def __init__(self, kind: int, req: Request | None, rec: RequestRecord | None) -> None:
-        self.kind = kind
-        self.req = req
-        self.rec = rec
-        self.need = 0  # KV tokens reserved while admitted (the full cost while waiting)
-        self.n_pin = 0  # leading blocks of `hashes` this job pins on its current instance
-        self.n_shared = 0  # leading blocks it counts in the batch's shared reads
-        self.enq_s = 0.0
-        self.hashes: Sequence[int] = req.block_hashes if req is not None else ()
-        self.block_tokens = req.block_tokens if req is not None else 0
-        self.parked = False
-        self.cold = False
-        self.decode_inst = -1
-        self.prefill_inst = -1
-        self.prefill_start_s = 0.0
-        self.warm_tokens = 0
-
-
 class _Warm:
+    """A warming copy in flight: the payload of its transfer event."""
+
     __slots__ = ("hashes", "source", "target")
 
     def __init__(self, source: int, target: int, hashes: Sequence[int]) -> None:
@@ -188,7 +148,7 @@ class _Inst:
         self.spec = spec
         self.index = spec.index
         self.name = spec.name
-        self.waiting: deque[_Job] = deque()
+        self.waiting: deque[Job] = deque()
         self.phase = PHASE_IDLE
         self.seg_start = 0.0
         self.seg_steps = 0
@@ -196,7 +156,7 @@ class _Inst:
         self.seg_c1 = 0.0
         self.seg_version = 0
         self.steps_done = 0
-        self.run_heap: list[tuple[int, int, _Job]] = []
+        self.run_heap: list[tuple[int, int, DecodeJob]] = []
         self.run_seq = 0
         self.ctx_base = 0
         self.n_seqs = 0
@@ -438,25 +398,17 @@ class Engine:
         dinst.load.outstanding_tokens += total
         if self.view_routed:
             dinst.routed.note(req.block_hashes)
-        prompt = req.input_tokens
-        if self.sharing and len(req.block_hashes) * self.block_tokens > prompt:
-            prompt = len(req.block_hashes) * self.block_tokens  # whole blocks
+        prompt = self._prompt_tokens(req)
         if p is None:
-            job = _Job(JOB_REQ, req, rec)
-            job.need = prompt + req.output_tokens
-            job.decode_inst = d
-            job.prefill_inst = d
-            self._enqueue(dinst, job)
+            self._enqueue(dinst, ReqJob(req, rec, prompt + req.output_tokens))
         else:
             pinst = insts[p]
             pinst.load.outstanding_tokens += req.input_tokens
             if self.view_routed:
                 pinst.routed.note(req.block_hashes)
-            job = _Job(JOB_P, req, rec)
-            job.need = prompt
-            job.cold = decision.prefill_cold
-            job.decode_inst = d
-            job.prefill_inst = p
+            job = PrefillJob(
+                req, rec, prompt, prefill_inst=p, decode_inst=d, cold=decision.prefill_cold
+            )
             self._enqueue(pinst, job)
 
     def _prompt_tokens(self, req: Request) -> int:
@@ -467,12 +419,9 @@ class Engine:
                 return blocks
         return req.input_tokens
 
-    def _enqueue(self, inst: _Inst, job: _Job, *, front: bool = False) -> None:
+    def _enqueue(self, inst: _Inst, job: Job) -> None:
         job.enq_s = self.now
-        if front:
-            inst.waiting.appendleft(job)
-        else:
-            inst.waiting.append(job)
+        inst.waiting.append(job)
         inst.load.waiting += 1
         phase = inst.phase
         if phase == PHASE_IDLE:
@@ -493,12 +442,8 @@ class Engine:
         if self.view_routed:
             target.routed.note(hashes)
         if action.mode == "prefill":
-            job = _Job(JOB_WARM, None, None)
-            job.hashes = hashes
-            job.block_tokens = req.block_tokens
-            job.warm_tokens = len(hashes) * req.block_tokens
             self.stats["warm_prefills"] += 1
-            self._enqueue(target, job)
+            self._enqueue(target, WarmJob(hashes, len(hashes) * req.block_tokens))
             return
         if action.source is None or not 0 <= action.source < len(insts):
             raise ValueError(f"rdma warm action needs a valid source, got {action.source}")
@@ -531,47 +476,30 @@ class Engine:
             done, PRI_TRANSFER, EV_TRANSFER, target.index, _Warm(source.index, target.index, copy)
         )
 
-    # ---------------------------------------------------------------- pins
-    def _pin(self, inst: _Inst, job: _Job, upto: int) -> None:
-        """Pin `job.hashes[job.n_pin:upto]` (resident in HBM) for `job`; its reservation
-        (`need`) shrinks by as many blocks. The caller adjusts the instance's reserve."""
-        if upto > job.n_pin:
-            job.need -= inst.cache.pin(job.hashes, job.n_pin, upto)
-            job.n_pin = upto
-
-    def _insert_pinned(self, inst: _Inst, job: _Job) -> None:
-        """Insert the whole prompt of `job` without the fit, pinning the blocks it does not
-        pin yet; its reservation shrinks by as many blocks."""
-        job.need -= inst.cache.insert_pinned(job.hashes, job.n_pin)
-        job.n_pin = len(job.hashes)
-
-    def _unpin(self, inst: _Inst, job: _Job) -> None:
-        """Drop `job`'s references; a block nobody pins becomes evictable, most recent."""
-        inst.cache.unpin(job.hashes, job.n_pin)
-        job.n_pin = 0
-
     # ---------------------------------------------------------------- scheduling
-    def _admissible(self, inst: _Inst, job: _Job) -> bool:
+    def _admissible(self, inst: _Inst, job: Job) -> bool:
         cache = inst.cache
         cap = cache.cap_tokens
         if job.need > cap:
             return True  # fails at once, which also unblocks the queue
-        if job.kind != JOB_WARM and inst.n_seqs >= self.max_batch:
+        if inst.n_seqs >= self.max_batch and not isinstance(job, WarmJob):
             return False
         if not self.sharing:
             return cache.reserved + job.need <= cap
         used = cache.used_tokens()
         return used + job.need <= cap or used + self._cost(inst, job) <= cap
 
-    def _cost(self, inst: _Inst, job: _Job) -> int:
+    def _cost(self, inst: _Inst, job: Job) -> int:
         """KV that admitting `job` adds at most (sharing): its full cost less the leading
         prompt blocks already pinned here, which it will reuse without new memory. Cold
         prefills, warm jobs and received KV that is not reusable share nothing."""
         need = job.need
-        if not job.hashes or job.cold:
+        if isinstance(job, WarmJob) or not job.hashes:
             return need
-        kind = job.kind
-        if kind == JOB_WARM or (kind == JOB_KV and not self.reusable):
+        if isinstance(job, PrefillJob):
+            if job.cold:
+                return need
+        elif isinstance(job, KVJob) and (job.cold or not self.reusable):
             return need
         return need - inst.cache.lead_pinned(job.hashes) * self.block_tokens
 
@@ -615,7 +543,7 @@ class Engine:
                 inst.load.waiting -= 1
                 self._fail(inst, job, f"needs {job.need} KV tokens; {inst.name} holds {cap}")
                 continue
-            if job.kind != JOB_WARM and inst.n_seqs >= self.max_batch:
+            if inst.n_seqs >= self.max_batch and not isinstance(job, WarmJob):
                 break
             if sharing:
                 used = cache.used_tokens()
@@ -626,7 +554,7 @@ class Engine:
                 break
             waiting.popleft()
             inst.load.waiting -= 1
-            if job.kind == JOB_KV:
+            if isinstance(job, KVJob):
                 self._admit_kv(inst, job)
                 continue
             if self._start_prefill(inst, job):
@@ -673,24 +601,19 @@ class Engine:
             inst.mem_peak = used
         cache.fit()
 
-    def _start_prefill(self, inst: _Inst, job: _Job) -> bool:
+    def _start_prefill(self, inst: _Inst, job: ReqJob | PrefillJob | WarmJob) -> bool:
         """Start the prefill of `job`; False when it was parked to wait for a warm copy."""
         now = self.now
         hashes = job.hashes
-        bt = job.block_tokens
-        rec = job.rec
-        if job.kind == JOB_WARM:
-            tokens = job.warm_tokens
-        else:
-            assert job.req is not None
-            tokens = job.req.input_tokens
+        bt = self.block_tokens
+        tokens = job.tokens if isinstance(job, WarmJob) else job.req.input_tokens
         p_tok = inst.p_tok_s
         cached = 0
         load_s = 0.0
         tier: str | None = None
         n_use = 0
         cache = inst.cache
-        if hashes and not job.cold:
+        if hashes and not (isinstance(job, PrefillJob) and job.cold):
             n_hbm_lead, n, n_ram, n_disk = cache.lead_tiers(hashes)
             # best of: HBM-only lead, or the whole run loaded from lower tiers
             c_lead = min(n_hbm_lead * bt, tokens)
@@ -704,8 +627,13 @@ class Engine:
                     best = ld + (tokens - c_all) * p_tok
                     n_use, cached, load_s = n, c_all, ld
                     tier = "disk" if n_disk else "ram"
-            # a warm copy in flight to this instance may beat recomputing: wait for it
-            if not job.parked and job.kind != JOB_WARM and n < len(hashes) and cache.has_pending():
+            # a warm copy in flight to this instance may beat recomputing: wait for it (once)
+            if (
+                not isinstance(job, WarmJob)
+                and not job.parked
+                and n < len(hashes)
+                and cache.has_pending()
+            ):
                 m, ready = cache.pending_run(hashes, n, now)
                 if m > n:
                     c_wait = min(m * bt, tokens)
@@ -713,7 +641,7 @@ class Engine:
                     wait_cost = (ready - now) + ld + (tokens - c_wait) * p_tok
                     if wait_cost < best:
                         job.parked = True
-                        job.prefill_start_s = now  # park start, read back in _on_park
+                        job.park_s = now
                         inst.load.waiting += 1
                         self.stats["parked_for_warm"] += 1
                         self._push(ready, PRI_PARK, EV_PARK, inst.index, job)
@@ -725,10 +653,13 @@ class Engine:
         prefill_s = (tokens - cached) * p_tok
         dur = load_s + prefill_s
         done = now + dur
-        if job.kind != JOB_WARM:
+        if isinstance(job, WarmJob):
+            if hashes and not self.after_prefill:
+                cache.insert(hashes, fit=False)
+        else:
             inst.n_seqs += 1
             inst.load.running += 1
-            assert rec is not None
+            rec = job.rec
             rec.queue_s += now - job.enq_s
             rec.cached_tokens = cached
             if job.parked and cached and tier == "hbm":
@@ -736,16 +667,20 @@ class Engine:
             rec.cache_tier = tier
             rec.kv_load_s = load_s
             rec.prefill_s = prefill_s
-        job.prefill_start_s = now
-        # at_admission: the whole prompt is resident now; with sharing, pin what it uses
-        # before the fit in _reserve, so the fit never evicts it
-        if hashes and self.sharing and job.kind != JOB_WARM:
-            if self.after_prefill:
-                self._pin(inst, job, n_use)
-            else:
-                self._insert_pinned(inst, job)
-        elif hashes and not self.after_prefill:
-            cache.insert(hashes, fit=False)
+            if isinstance(job, PrefillJob):
+                job.prefill_start_s = now
+            # at_admission: the whole prompt is resident now; with sharing, pin what it
+            # uses before the fit in _reserve, so the fit never evicts it
+            if hashes:
+                if not self.sharing:
+                    if not self.after_prefill:
+                        cache.insert(hashes, fit=False)
+                elif not self.after_prefill:
+                    job.need -= cache.insert_pinned(hashes, job.n_pin)
+                    job.n_pin = len(hashes)
+                elif n_use > job.n_pin:
+                    job.need -= cache.pin(hashes, job.n_pin, n_use)
+                    job.n_pin = n_use
         self._reserve(inst, job.need)
         if hashes and self.after_prefill:
             cache.expect(hashes, n_use, done)
@@ -754,32 +689,30 @@ class Engine:
         heapq.heappush(self.heap, (done, PRI_PREFILL, self.seq, EV_PREFILL, inst.index, job))
         return True
 
-    def _admit_kv(self, inst: _Inst, job: _Job) -> None:
+    def _admit_kv(self, inst: _Inst, job: KVJob) -> None:
         """Decode side of a prefill offload: the KV is here, the request joins the batch
         and streams its first token at this step."""
         now = self.now
         rec = job.rec
-        req = job.req
-        assert rec is not None
-        assert req is not None
         rec.queue_s += now - job.enq_s
         rec.first_token_s = now
         inst.n_seqs += 1
         inst.load.running += 1
-        if self.reusable and job.hashes:
+        hashes = job.hashes
+        if self.reusable and hashes:
             if self.sharing:
-                self._insert_pinned(inst, job)
+                job.need -= inst.cache.insert_pinned(hashes, job.n_pin)
+                job.n_pin = len(hashes)
                 self._reserve(inst, job.need)
             else:
                 self._reserve(inst, job.need)
-                inst.cache.insert(job.hashes)
+                inst.cache.insert(hashes)
         else:
             self._reserve(inst, job.need)
         self._begin_decode(inst, job)
 
-    def _begin_decode(self, inst: _Inst, job: _Job) -> None:
+    def _begin_decode(self, inst: _Inst, job: DecodeJob) -> None:
         req = job.req
-        assert req is not None
         left = req.output_tokens - 1
         if left <= 0:
             self._finish(inst, job)
@@ -791,7 +724,7 @@ class Engine:
         if self.shared_attn and job.n_pin:
             inst.ctx_base -= self._join_shared(inst, job, req.input_tokens)
 
-    def _join_shared(self, inst: _Inst, job: _Job, input_tokens: int) -> int:
+    def _join_shared(self, inst: _Inst, job: DecodeJob, input_tokens: int) -> int:
         """Count `job`'s pinned leading blocks (whole ones inside its prompt) as read by
         the batch; returns the tokens already read by another sequence."""
         n = min(job.n_pin, input_tokens // self.block_tokens)
@@ -800,7 +733,7 @@ class Engine:
         job.n_shared = n
         return inst.shared.join(job.hashes, n)
 
-    def _leave_shared(self, inst: _Inst, job: _Job) -> int:
+    def _leave_shared(self, inst: _Inst, job: DecodeJob) -> int:
         """Undo `_join_shared` as `job` leaves the batch; returns the tokens it no longer
         duplicates."""
         dup = inst.shared.leave(job.hashes, job.n_shared)
@@ -808,32 +741,30 @@ class Engine:
         return dup
 
     # ---------------------------------------------------------------- handlers
-    def _on_prefill(self, index: int, job: _Job) -> None:
+    def _on_prefill(self, index: int, job: ReqJob | PrefillJob | WarmJob) -> None:
         inst = self.insts[index]
-        kind = job.kind
-        if self.after_prefill and job.hashes:
-            if self.sharing and kind != JOB_WARM:
+        hashes = job.hashes
+        if self.after_prefill and hashes:
+            if self.sharing and not isinstance(job, WarmJob):
                 # its own blocks are resident now: move them from reserved to pinned
-                before = job.need
-                self._insert_pinned(inst, job)
-                inst.cache.reserved -= before - job.need
+                pinned = inst.cache.insert_pinned(hashes, job.n_pin)
+                job.n_pin = len(hashes)
+                job.need -= pinned
+                inst.cache.reserved -= pinned
                 inst.cache.fit()
             else:
-                inst.cache.insert(job.hashes)
-        if kind == JOB_REQ:
-            assert job.rec is not None
+                inst.cache.insert(hashes)
+        if isinstance(job, ReqJob):
             job.rec.first_token_s = self.now
             self._begin_decode(inst, job)
-        elif kind == JOB_P:
+        elif isinstance(job, PrefillJob):
             self._ship_kv(inst, job)
         # phase is still PREFILL (busy): _step picks the next piece of work or goes idle
         self._step(inst)
 
-    def _ship_kv(self, pinst: _Inst, job: _Job) -> None:
+    def _ship_kv(self, pinst: _Inst, job: PrefillJob) -> None:
         """Prefill instance done: move the KV to the decode instance over RDMA."""
         req = job.req
-        assert req is not None
-        assert job.rec is not None
         now = self.now
         pinst.n_seqs -= 1
         pinst.load.running -= 1
@@ -852,29 +783,29 @@ class Engine:
         self.stats["kv_transfers"] += 1
         self._push(done, PRI_TRANSFER, EV_TRANSFER, dinst.index, job)
 
-    def _on_transfer(self, index: int, payload: Any) -> None:
+    def _on_transfer(self, index: int, payload: _Warm | PrefillJob) -> None:
         inst = self.insts[index]
         if isinstance(payload, _Warm):
             inst.cache.insert_arrived(payload.hashes, self.now, TIME_EPS_S)
             self._kick(inst)
             return
-        job: _Job = payload
+        # the KV of a prefill offload arrived: release it on the prefill instance, queue
+        # its decode here
+        job = payload
         req = job.req
-        assert req is not None
         pinst = self.insts[job.prefill_inst]
         pinst.cache.reserved -= job.need
         if job.n_pin:
-            self._unpin(pinst, job)
+            pinst.cache.unpin(job.hashes, job.n_pin)
+            job.n_pin = 0
         self._kick(pinst)
-        job.kind = JOB_KV
-        job.need = self._prompt_tokens(req) + req.output_tokens
-        self._enqueue(inst, job)
+        need = self._prompt_tokens(req) + req.output_tokens
+        self._enqueue(inst, KVJob(req, job.rec, need, cold=job.cold))
 
-    def _on_park(self, index: int, job: _Job) -> None:
+    def _on_park(self, index: int, job: ReqJob | PrefillJob) -> None:
         inst = self.insts[index]
         inst.load.waiting -= 1
-        assert job.rec is not None
-        wait = self.now - job.prefill_start_s
+        wait = self.now - job.park_s
         job.rec.kv_transfer_s += wait
         job.rec.queue_s -= wait  # counted again at admission; it is transfer time
         inst.waiting.appendleft(job)
@@ -891,50 +822,47 @@ class Engine:
         while run_heap and run_heap[0][0] <= done:
             end_step, _, job = heapq.heappop(run_heap)
             req = job.req
-            assert req is not None
             inst.ctx_base -= req.input_tokens + 1 - (end_step - (req.output_tokens - 1))
             if job.n_shared:
                 inst.ctx_base += self._leave_shared(inst, job)
             self._finish(inst, job)
         self._step(inst)
 
-    def _finish(self, inst: _Inst, job: _Job) -> None:
+    def _finish(self, inst: _Inst, job: DecodeJob) -> None:
         now = self.now
         rec = job.rec
         req = job.req
-        assert rec is not None
-        assert req is not None
         rec.finish_s = now
-        assert rec.first_token_s is not None
+        assert rec.first_token_s is not None  # stamped at prefill / KV admission
         rec.decode_s = now - rec.first_token_s
         inst.n_seqs -= 1
         inst.load.running -= 1
         inst.cache.reserved -= job.need
         if job.n_pin:
-            self._unpin(inst, job)
+            inst.cache.unpin(job.hashes, job.n_pin)
+            job.n_pin = 0
         inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
         if self.notify_finish:
             self.policy.on_finish(req, inst.index, now)
         self.emit(rec)
 
-    def _fail(self, inst: _Inst, job: _Job, error: str) -> None:
+    def _fail(self, inst: _Inst, job: Job, error: str) -> None:
         self.stats["failed"] += 1
+        if isinstance(job, WarmJob):
+            return
         rec = job.rec
         req = job.req
-        if rec is None or req is None:
-            return
         rec.ok = False
         rec.error = error
         rec.queue_s += self.now - job.enq_s
         # failed before admission: it reserved and pinned nothing
-        if job.kind == JOB_P:
+        if isinstance(job, PrefillJob):
             inst.load.outstanding_tokens -= req.input_tokens
-        else:
-            inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
-        if job.kind == JOB_P:
             self.insts[job.decode_inst].load.outstanding_tokens -= (
                 req.input_tokens + req.output_tokens
             )
+        else:
+            inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
         self.policy.on_finish(req, inst.index, self.now)
         self.emit(rec)
 

@@ -11,8 +11,9 @@ from btb_lab.policies.base import ClusterView, Decision, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
 from btb_lab.sim.backend import run_engine
 from btb_lab.sim.bench import BenchCacheAware, bench_instances, bench_workload
-from btb_lab.sim.engine import JOB_REQ, Engine, _Job
+from btb_lab.sim.engine import Engine
 from btb_lab.sim.hardware import GPU_PRESETS, MODEL_PRESETS, InstanceSpec, make_instance
+from btb_lab.sim.jobs import ReqJob
 from btb_lab.sim.settings import SimSettings
 
 LLAMA = MODEL_PRESETS["llama-3.3-70b"]
@@ -401,7 +402,10 @@ def test_shared_prefix_attention_counts_each_block_once_for_three_sequences() ->
     jobs = []
     for i, blocks in enumerate([(*shared, 10), (*shared, 11), (*shared, 12), (7, 8, 9)]):
         r = req(f"r{i}", 0.0, blocks, out=5)
-        job = _Job(JOB_REQ, r, None)
+        rec = RequestRecord(
+            "v", 0, r.request_id, "", "", None, "C0", "COLO", 0.0, 0.0, 0.0, None, 0, 5
+        )
+        job = ReqJob(r, rec, 0)
         job.n_pin = len(blocks)
         inst.cache.insert_pinned(blocks, 0)
         eng._begin_decode(inst, job)
