@@ -423,11 +423,7 @@ class Engine:
         job.enq_s = self.now
         inst.waiting.append(job)
         inst.load.waiting += 1
-        phase = inst.phase
-        if phase == PHASE_IDLE:
-            self._step(inst)
-        elif phase == PHASE_DECODE and self._admissible(inst, inst.waiting[0]):
-            self._cut_segment(inst)
+        self._kick(inst)
 
     # ---------------------------------------------------------------- warming
     def _warm(self, req: Request, action: WarmAction) -> None:
@@ -478,16 +474,20 @@ class Engine:
 
     # ---------------------------------------------------------------- scheduling
     def _admissible(self, inst: _Inst, job: Job) -> bool:
+        """Whether `job`, first in `inst`'s queue, may start now: the batch has room (a
+        warm job joins none) and its KV fits beside what admitted requests hold, at its
+        full cost or, with sharing, at `_cost`. A job that can never fit is admissible: it
+        fails at once, which also unblocks the queue."""
         cache = inst.cache
         cap = cache.cap_tokens
-        if job.need > cap:
-            return True  # fails at once, which also unblocks the queue
+        need = job.need
+        if need > cap:
+            return True
         if inst.n_seqs >= self.max_batch and not isinstance(job, WarmJob):
             return False
-        if not self.sharing:
-            return cache.reserved + job.need <= cap
-        used = cache.used_tokens()
-        return used + job.need <= cap or used + self._cost(inst, job) <= cap
+        used = cache.used_tokens()  # no pins without sharing: the reserved tokens
+        # the full cost fitting settles it without scanning the pins
+        return used + need <= cap or (self.sharing and used + self._cost(inst, job) <= cap)
 
     def _cost(self, inst: _Inst, job: Job) -> int:
         """KV that admitting `job` adds at most (sharing): its full cost less the leading
@@ -533,9 +533,7 @@ class Engine:
         now = self.now
         waiting = inst.waiting
         was_idle = inst.phase == PHASE_IDLE
-        sharing = self.sharing
-        cache = inst.cache
-        cap = cache.cap_tokens
+        cap = inst.cache.cap_tokens
         while waiting:
             job = waiting[0]
             if job.need > cap:
@@ -543,14 +541,7 @@ class Engine:
                 inst.load.waiting -= 1
                 self._fail(inst, job, f"needs {job.need} KV tokens; {inst.name} holds {cap}")
                 continue
-            if inst.n_seqs >= self.max_batch and not isinstance(job, WarmJob):
-                break
-            if sharing:
-                used = cache.used_tokens()
-                # the full cost fitting settles it without scanning the pins
-                if used + job.need > cap and (used + self._cost(inst, job) > cap):
-                    break
-            elif cache.reserved + job.need > cap:
+            if not self._admissible(inst, job):
                 break
             waiting.popleft()
             inst.load.waiting -= 1
@@ -685,8 +676,7 @@ class Engine:
         if hashes and self.after_prefill:
             cache.expect(hashes, n_use, done)
         inst.phase = PHASE_PREFILL
-        self.seq += 1
-        heapq.heappush(self.heap, (done, PRI_PREFILL, self.seq, EV_PREFILL, inst.index, job))
+        self._push(done, PRI_PREFILL, EV_PREFILL, inst.index, job)
         return True
 
     def _admit_kv(self, inst: _Inst, job: KVJob) -> None:
@@ -842,7 +832,7 @@ class Engine:
             inst.cache.unpin(job.hashes, job.n_pin)
             job.n_pin = 0
         inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
-        if self.notify_finish:
+        if self.notify_finish:  # the same rule for a failed request (_fail)
             self.policy.on_finish(req, inst.index, now)
         self.emit(rec)
 
@@ -858,12 +848,14 @@ class Engine:
         # failed before admission: it reserved and pinned nothing
         if isinstance(job, PrefillJob):
             inst.load.outstanding_tokens -= req.input_tokens
-            self.insts[job.decode_inst].load.outstanding_tokens -= (
-                req.input_tokens + req.output_tokens
-            )
+            dinst = self.insts[job.decode_inst]
         else:
-            inst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
-        self.policy.on_finish(req, inst.index, self.now)
+            dinst = inst
+        dinst.load.outstanding_tokens -= req.input_tokens + req.output_tokens
+        # stateful policies free per-request state here, as for a finished request; the
+        # instance is the one it was routed to (its decode instance), as in _finish
+        if self.notify_finish:
+            self.policy.on_finish(req, dinst.index, self.now)
         self.emit(rec)
 
     # ---------------------------------------------------------------- utilization

@@ -206,6 +206,36 @@ def test_request_larger_than_the_kv_budget_fails_cleanly() -> None:
     assert sorted(policy.finished) == [("big", 0), ("ok", 0)]
 
 
+def test_failed_offload_notifies_the_policy_with_its_decode_instance() -> None:
+    """A prefill offload too big for its prefill instance fails there; the policy hears of
+    it as of a finished request, for the instance it routed the request to (the decode
+    instance), and the load it added on both instances is released."""
+    cap = nodes(1)[0].kv_budget_tokens
+    big = Request("big", 0.0, cap + 1, 1, (), 512)
+    policy = Scripted({"big": Decision(1, "PS", prefill_instance=0)})
+    recs, eng = run([big], policy)
+    assert recs["big"].ok is False
+    assert recs["big"].prefill_instance == "C0"
+    assert policy.finished == [("big", 1)]
+    assert [i.load.outstanding_tokens for i in eng.insts] == [0, 0]
+    assert eng.stats["failed"] == 1
+
+
+def test_policy_without_on_finish_is_not_called() -> None:
+    """`on_finish` is skipped, for finished and failed requests alike, when the policy
+    keeps the base class's (a no-op)."""
+
+    class NoState(Policy):
+        name: ClassVar[str] = "no_state"
+
+        def route(self, request: Request, view: ClusterView) -> Decision:
+            return Decision(0)
+
+    eng = Engine(nodes(1), SimSettings(), NoState(Policy.Params()), block_tokens=512)
+    assert eng.notify_finish is False
+    assert Engine(nodes(1), SimSettings(), Scripted({}), block_tokens=512).notify_finish is True
+
+
 def test_utilization_is_busy_fraction_per_sample_interval() -> None:
     r = Request("a", 0.25, 1024, 11, (1, 2), 512)
     util, _, _ = run_engine(nodes(), SimSettings(), Scripted({}), [r], lambda rec: None)
