@@ -10,7 +10,7 @@ without touching the engine.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 __all__ = ["PrefixCache", "RoutedBlocks", "SimInvariantError"]
 
@@ -48,6 +48,7 @@ class PrefixCache:
         "cap_tokens",
         "disk",
         "name",
+        "pinned_tokens",
         "ram_cap_blocks",
         "reserved",
     )
@@ -67,15 +68,17 @@ class PrefixCache:
         self.ram_cap_blocks = ram_cap_blocks
         self.disk = disk  # shared by every instance of the cluster
         self.reserved = 0
+        self.pinned_tokens = 0  # pinned blocks × block_tokens, kept in step with the pins
         self._hbm: OrderedDict[int, None] = OrderedDict()
         self._ram: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}
         self._pending: dict[int, float] = {}
 
     # ------------------------------------------------------------------ queries
-    def used_tokens(self) -> int:
-        """KV held by admitted requests: pinned blocks plus reserved tokens."""
-        return self.reserved + len(self._pins) * self.block_tokens
+    def block_set(self) -> Container[int]:
+        """The HBM blocks, for membership tests only: lets a caller scan leading runs in
+        its own loop where a call per scan costs too much (the router view's match)."""
+        return self._hbm
 
     def n_hbm(self) -> int:
         """Blocks resident in HBM, pinned or not."""
@@ -108,33 +111,38 @@ class PrefixCache:
             n += 1
         return n
 
-    def lead_tiers(self, hashes: Sequence[int]) -> tuple[int, int, int, int]:
-        """The leading run of `hashes` present in some tier, as `(n_hbm, n, n_ram,
-        n_disk)`: the blocks before the first one outside HBM, the run's length, and how
-        many of the run are in RAM and on disk (the rest are in HBM)."""
+    def locate(self, hashes: Sequence[int], now_s: float) -> tuple[int, int, int, int, int, float]:
+        """Where the leading run of `hashes` is, as `(n_hbm, n, n_ram, n_disk, m,
+        ready_s)`: the blocks before the first one outside HBM; the run's length over
+        HBM, RAM and disk, with how many of it are in RAM and on disk; the run's end `m >=
+        n` extended over blocks pending here, and when those are complete (`now_s` when
+        none). One call for what a prefill start needs to know."""
         hbm = self._hbm
+        n = 0
+        for h in hashes:
+            if h not in hbm:
+                break
+            n += 1
+        n_hbm = n
+        n_ram = n_disk = 0
         ram = self._ram
         disk = self.disk
-        n_hbm = -1
-        n = n_ram = n_disk = 0
-        for h in hashes:
-            if h in hbm:
-                pass
-            elif h in ram:
-                n_ram += 1
-            elif disk is not None and h in disk:
-                n_disk += 1
-            else:
-                break
-            if n_hbm < 0 and (n_ram or n_disk):
-                n_hbm = n
-            n += 1
-        if n_hbm < 0:
-            n_hbm = n
-        return n_hbm, n, n_ram, n_disk
-
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+        if n < len(hashes) and (ram or disk is not None):
+            # the run goes on through RAM and disk (and HBM again after them)
+            for h in hashes[n:]:
+                if h in hbm:
+                    pass
+                elif h in ram:
+                    n_ram += 1
+                elif disk is not None and h in disk:
+                    n_disk += 1
+                else:
+                    break
+                n += 1
+        if self._pending and n < len(hashes):
+            m, ready_s = self.pending_run(hashes, n, now_s)
+            return n_hbm, n, n_ram, n_disk, m, ready_s
+        return n_hbm, n, n_ram, n_disk, n, now_s
 
     def pending_run(self, hashes: Sequence[int], start: int, ready_s: float) -> tuple[int, float]:
         """Extend a leading run at `hashes[start:]` over blocks pending here: returns the
@@ -164,7 +172,8 @@ class PrefixCache:
                 hbm[h] = None
                 if ram:
                     ram.pop(h, None)
-            if pending:
+        if pending:
+            for h in hashes:
                 pending.pop(h, None)
         if fit:
             self.fit()
@@ -219,9 +228,12 @@ class PrefixCache:
         ram_cap = self.ram_cap_blocks
         disk = self.disk
         pins = self._pins
+        pop = hbm.popitem
         skipped = 0
-        while len(hbm) > allowed:
-            h, _ = hbm.popitem(last=False)
+        excess = len(hbm) - allowed
+        # popitem(False): the oldest; positional, as a keyword costs more per eviction
+        while excess:
+            h, _ = pop(False)
             if pins and h in pins:
                 # in use by a running request: it stays resident (now the most recent)
                 hbm[h] = None
@@ -229,10 +241,11 @@ class PrefixCache:
                 if skipped > len(pins):
                     raise SimInvariantError(f"{self.name}: pinned blocks exceed the KV budget")
                 continue
+            excess -= 1
             if ram_cap:
                 ram[h] = None
                 if len(ram) > ram_cap:
-                    old, _ = ram.popitem(last=False)
+                    old, _ = ram.popitem(False)
                     if disk is not None:
                         disk.add(old)
             elif disk is not None:
@@ -245,6 +258,7 @@ class PrefixCache:
             return 0
         pins = self._pins
         get = pins.get
+        n0 = len(pins)
         if start == 0 and upto == len(hashes):
             for h in hashes:
                 pins[h] = get(h, 0) + 1
@@ -252,6 +266,7 @@ class PrefixCache:
             for i in range(start, upto):
                 h = hashes[i]
                 pins[h] = get(h, 0) + 1
+        self.pinned_tokens += (len(pins) - n0) * self.block_tokens
         return (upto - start) * self.block_tokens
 
     def insert_pinned(self, hashes: Sequence[int], start: int) -> int:
@@ -263,24 +278,39 @@ class PrefixCache:
         pending = self._pending
         pins = self._pins
         get = pins.get
-        for i, h in enumerate(hashes):
-            if h in hbm:
-                hbm.move_to_end(h)
-            else:
-                hbm[h] = None
-                if ram:
-                    ram.pop(h, None)
-            if pending:
-                pending.pop(h, None)
-            if i >= start:
+        n0 = len(pins)
+        if start == 0:  # the common case: pin every block (no index to compare)
+            for h in hashes:
+                if h in hbm:
+                    hbm.move_to_end(h)
+                else:
+                    hbm[h] = None
+                    if ram:
+                        ram.pop(h, None)
                 pins[h] = get(h, 0) + 1
-        return (len(hashes) - start) * self.block_tokens
+        else:
+            for i, h in enumerate(hashes):
+                if h in hbm:
+                    hbm.move_to_end(h)
+                else:
+                    hbm[h] = None
+                    if ram:
+                        ram.pop(h, None)
+                if i >= start:
+                    pins[h] = get(h, 0) + 1
+        if pending:
+            for h in hashes:
+                pending.pop(h, None)
+        bt = self.block_tokens
+        self.pinned_tokens += (len(pins) - n0) * bt
+        return (len(hashes) - start) * bt
 
     def unpin(self, hashes: Sequence[int], n: int) -> None:
         """Drop one reference on each of the leading `n` blocks of `hashes`; a block nobody
         pins any more becomes the most recent unpinned block."""
         pins = self._pins
         hbm = self._hbm
+        n0 = len(pins)
         for h in hashes if n == len(hashes) else hashes[:n]:
             refs = pins[h] - 1
             if refs:
@@ -288,6 +318,7 @@ class PrefixCache:
             else:
                 del pins[h]
                 hbm.move_to_end(h)
+        self.pinned_tokens -= (n0 - len(pins)) * self.block_tokens
 
     # ------------------------------------------------------------------ audit
     def check(self) -> None:
@@ -300,6 +331,8 @@ class PrefixCache:
             raise SimInvariantError(f"{name}: HBM cache above its budget")
         if len(self._pins) * bt + self.reserved > self.cap_tokens:
             raise SimInvariantError(f"{name}: pinned + reserved KV above budget")
+        if self.pinned_tokens != len(self._pins) * bt:
+            raise SimInvariantError(f"{name}: pinned token count {self.pinned_tokens} is off")
         for h, refs in self._pins.items():
             if refs <= 0:
                 raise SimInvariantError(f"{name}: block {h} pinned {refs} times")
@@ -330,8 +363,13 @@ class RoutedBlocks:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
-        while len(blocks) > self.cap_blocks:
-            blocks.popitem(last=False)
+        cap = self.cap_blocks
+        while len(blocks) > cap:
+            blocks.popitem(False)  # the oldest
+
+    def block_set(self) -> Container[int]:
+        """The blocks believed held, for membership tests only (see PrefixCache)."""
+        return self._blocks
 
     def lead(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` believed held."""

@@ -43,7 +43,7 @@ import gc
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,12 +202,21 @@ class _View:
         self.costs = engine.costs
         # the cache objects live as long as the run, so the view can hold them directly
         self._complete = [i.cache for i in engine.insts]
-        self._known: Sequence[PrefixCache | RoutedBlocks] = (
-            [i.routed for i in engine.insts] if engine.view_routed else self._complete
-        )
+        self._known: list[Container[int]] = [
+            i.routed.block_set() if engine.view_routed else i.cache.block_set()
+            for i in engine.insts
+        ]
 
     def match_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
-        return self._known[instance].lead(block_hashes)
+        # `lead` of the known blocks, fused here: policies call this for every instance at
+        # every arrival, and a second call per match costs ~1% of a run
+        known = self._known[instance]
+        n = 0
+        for h in block_hashes:
+            if h not in known:
+                return n
+            n += 1
+        return n
 
     def complete_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
         return self._complete[instance].lead(block_hashes)
@@ -293,7 +302,8 @@ class Engine:
                 gc.enable()
 
     def _run(self, requests: Sequence[Request]) -> EngineResult:
-        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        # stable: ties keep their position (a C-level key, not a call per request)
+        order = sorted(range(len(requests)), key=[r.arrival_s for r in requests].__getitem__)
         heap = self.heap
         pop = heapq.heappop
         handlers = (self._on_transfer, self._on_park, self._on_prefill, self._on_segment)
@@ -398,7 +408,10 @@ class Engine:
         dinst.load.outstanding_tokens += total
         if self.view_routed:
             dinst.routed.note(req.block_hashes)
-        prompt = self._prompt_tokens(req)
+        # KV the prompt occupies: its tokens, or with sharing its hashed blocks whole
+        prompt = req.input_tokens
+        if self.sharing and len(req.block_hashes) * self.block_tokens > prompt:
+            prompt = len(req.block_hashes) * self.block_tokens
         if p is None:
             self._enqueue(dinst, ReqJob(req, rec, prompt + req.output_tokens))
         else:
@@ -411,19 +424,16 @@ class Engine:
             )
             self._enqueue(pinst, job)
 
-    def _prompt_tokens(self, req: Request) -> int:
-        """KV a prompt occupies: its tokens, or with sharing its hashed blocks whole."""
-        if self.sharing:
-            blocks = len(req.block_hashes) * self.block_tokens
-            if blocks > req.input_tokens:
-                return blocks
-        return req.input_tokens
-
     def _enqueue(self, inst: _Inst, job: Job) -> None:
         job.enq_s = self.now
         inst.waiting.append(job)
         inst.load.waiting += 1
-        self._kick(inst)
+        # _kick, inlined (once per queued job)
+        phase = inst.phase
+        if phase == PHASE_IDLE:
+            self._step(inst)
+        elif phase == PHASE_DECODE and self._admissible(inst, inst.waiting[0]):
+            self._cut_segment(inst)
 
     # ---------------------------------------------------------------- warming
     def _warm(self, req: Request, action: WarmAction) -> None:
@@ -485,7 +495,7 @@ class Engine:
             return True
         if inst.n_seqs >= self.max_batch and not isinstance(job, WarmJob):
             return False
-        used = cache.used_tokens()  # no pins without sharing: the reserved tokens
+        used = cache.reserved + cache.pinned_tokens  # no pins without sharing
         # the full cost fitting settles it without scanning the pins
         return used + need <= cap or (self.sharing and used + self._cost(inst, job) <= cap)
 
@@ -581,7 +591,7 @@ class Engine:
         what is left."""
         cache = inst.cache
         cache.reserved += tokens
-        used = cache.used_tokens()
+        used = cache.reserved + cache.pinned_tokens
         k = int(self.now / self.dt)
         if k != inst.mem_bin:
             if inst.mem_bin >= 0:
@@ -605,7 +615,7 @@ class Engine:
         n_use = 0
         cache = inst.cache
         if hashes and not (isinstance(job, PrefillJob) and job.cold):
-            n_hbm_lead, n, n_ram, n_disk = cache.lead_tiers(hashes)
+            n_hbm_lead, n, n_ram, n_disk, m, ready = cache.locate(hashes, now)
             # best of: HBM-only lead, or the whole run loaded from lower tiers
             c_lead = min(n_hbm_lead * bt, tokens)
             best = (tokens - c_lead) * p_tok
@@ -619,24 +629,17 @@ class Engine:
                     n_use, cached, load_s = n, c_all, ld
                     tier = "disk" if n_disk else "ram"
             # a warm copy in flight to this instance may beat recomputing: wait for it (once)
-            if (
-                not isinstance(job, WarmJob)
-                and not job.parked
-                and n < len(hashes)
-                and cache.has_pending()
-            ):
-                m, ready = cache.pending_run(hashes, n, now)
-                if m > n:
-                    c_wait = min(m * bt, tokens)
-                    ld = (n_ram * inst.ram_tok_s + n_disk * inst.disk_tok_s) * bt
-                    wait_cost = (ready - now) + ld + (tokens - c_wait) * p_tok
-                    if wait_cost < best:
-                        job.parked = True
-                        job.park_s = now
-                        inst.load.waiting += 1
-                        self.stats["parked_for_warm"] += 1
-                        self._push(ready, PRI_PARK, EV_PARK, inst.index, job)
-                        return False
+            if m > n and not isinstance(job, WarmJob) and not job.parked:
+                c_wait = min(m * bt, tokens)
+                ld = (n_ram * inst.ram_tok_s + n_disk * inst.disk_tok_s) * bt
+                wait_cost = (ready - now) + ld + (tokens - c_wait) * p_tok
+                if wait_cost < best:
+                    job.parked = True
+                    job.park_s = now
+                    inst.load.waiting += 1
+                    self.stats["parked_for_warm"] += 1
+                    self._push(ready, PRI_PARK, EV_PARK, inst.index, job)
+                    return False
             if n_use and self.after_prefill:
                 # touch / promote the blocks this prefill reuses (at_admission inserts
                 # the whole prompt below, which touches them too)
@@ -789,7 +792,7 @@ class Engine:
             pinst.cache.unpin(job.hashes, job.n_pin)
             job.n_pin = 0
         self._kick(pinst)
-        need = self._prompt_tokens(req) + req.output_tokens
+        need = job.prompt_tokens + req.output_tokens
         self._enqueue(inst, KVJob(req, job.rec, need, cold=job.cold))
 
     def _on_park(self, index: int, job: ReqJob | PrefillJob) -> None:

@@ -46,6 +46,7 @@ class PrefillJob:
         "parked",
         "prefill_inst",
         "prefill_start_s",
+        "prompt_tokens",
         "rec",
         "req",
     )
@@ -54,7 +55,7 @@ class PrefillJob:
         self,
         req: Request,
         rec: RequestRecord,
-        need: int,
+        prompt_tokens: int,
         *,
         prefill_inst: int,
         decode_inst: int,
@@ -63,7 +64,8 @@ class PrefillJob:
         self.req = req
         self.rec = rec
         self.hashes: Sequence[int] = req.block_hashes
-        self.need = need
+        self.prompt_tokens = prompt_tokens  # KV its prompt occupies, here and at the decoder
+        self.need = prompt_tokens  # no output here
         self.enq_s = 0.0
         self.n_pin = 0
         self.prefill_inst = prefill_inst

@@ -9,11 +9,11 @@ from btb_lab.sim.decode import TIME_EPS_S, SharedPrefixReads, segment_s, steps_r
 
 def test_segment_duration_is_the_arithmetic_series_of_step_times() -> None:
     # steps take c0, c0 + c1, c0 + 2 c1, ...: 3 steps of (2, 2.5, 3) s take 7.5 s
-    assert segment_s(3, 2.0, 0.5) == 7.5
-    assert segment_s(0, 2.0, 0.5) == 0.0
-    assert segment_s(1, 2.0, 0.5) == 2.0
-    assert segment_s(4, 1.0, 0.0) == 4.0
-    assert segment_s(3, 2.0, 0.5, start_s=10.0) == 17.5
+    assert segment_s(3, 2.0, 0.5, 0.0) == 7.5
+    assert segment_s(0, 2.0, 0.5, 0.0) == 0.0
+    assert segment_s(1, 2.0, 0.5, 0.0) == 2.0
+    assert segment_s(4, 1.0, 0.0, 0.0) == 4.0
+    assert segment_s(3, 2.0, 0.5, 10.0) == 17.5
 
 
 def test_segment_end_keeps_the_engine_operation_order() -> None:
@@ -23,12 +23,12 @@ def test_segment_end_keeps_the_engine_operation_order() -> None:
     assert segment_s(k, c0, c1, start) == (start + k * c0) + c1 * k * (k - 1) * 0.5
     assert segment_s(k, c0, c1, start) != start + (k * c0 + c1 * k * (k - 1) * 0.5)
     # with no start the plain duration comes out, bit for bit
-    assert segment_s(k, c0, c1) == k * c0 + c1 * k * (k - 1) * 0.5
+    assert segment_s(k, c0, c1, 0.0) == k * c0 + c1 * k * (k - 1) * 0.5
 
 
 def test_steps_reaching_exact_boundaries_with_growth() -> None:
     # c0 = 1, c1 = 2: step i takes 1 + 2i, so k steps take exactly k² seconds
-    assert [segment_s(k, 1.0, 2.0) for k in range(5)] == [0.0, 1.0, 4.0, 9.0, 16.0]
+    assert [segment_s(k, 1.0, 2.0, 0.0) for k in range(5)] == [0.0, 1.0, 4.0, 9.0, 16.0]
     assert steps_reaching(4.0, 1.0, 2.0) == 2  # on a boundary: that boundary
     assert steps_reaching(9.0, 1.0, 2.0) == 3
     assert steps_reaching(4.0 + 1e-9, 1.0, 2.0) == 3  # just past it: the next one
@@ -53,8 +53,10 @@ def test_steps_reaching_tolerates_round_off_below_a_boundary() -> None:
 def test_steps_reaching_is_the_smallest_k_by_the_duration_formula(c0: float, c1: float) -> None:
     """Against a brute-force scan over the same formula, on boundaries and between."""
     for k in range(0, 400, 7):
-        for elapsed in (segment_s(k, c0, c1), segment_s(k, c0, c1) + 0.37 * c0):
-            want = next(j for j in range(10_000) if segment_s(j, c0, c1) >= elapsed - TIME_EPS_S)
+        for elapsed in (segment_s(k, c0, c1, 0.0), segment_s(k, c0, c1, 0.0) + 0.37 * c0):
+            want = next(
+                j for j in range(10_000) if segment_s(j, c0, c1, 0.0) >= elapsed - TIME_EPS_S
+            )
             if elapsed <= 0:
                 want = 0
             assert steps_reaching(elapsed, c0, c1) == want
