@@ -314,11 +314,11 @@ class Engine:
             req = requests[i]
             t = req.arrival_s
             while heap and (heap[0][0] < t or (heap[0][0] == t and heap[0][1] < PRI_ARRIVAL)):
-                ev = pop(heap)
+                te, _, _, kind, index, payload = pop(heap)
                 if audit:
-                    last = self._audit_time(ev[0], last)
-                self.now = ev[0]
-                handlers[ev[3]](ev[4], ev[5])
+                    last = self._audit_time(te, last)
+                self.now = te
+                handlers[kind](index, payload)
                 events += 1
             if audit:
                 last = self._audit_time(t, last)
@@ -326,11 +326,11 @@ class Engine:
             self._on_arrival(req)
             events += 1
         while heap:
-            ev = pop(heap)
+            te, _, _, kind, index, payload = pop(heap)
             if audit:
-                last = self._audit_time(ev[0], last)
-            self.now = ev[0]
-            handlers[ev[3]](ev[4], ev[5])
+                last = self._audit_time(te, last)
+            self.now = te
+            handlers[kind](index, payload)
             events += 1
         self.stats["events"] = events
         for inst in self.insts:
@@ -566,8 +566,8 @@ class Engine:
             b = len(inst.run_heap)
             steps = inst.run_heap[0][0] - inst.steps_done
             k_tokens = inst.ctx_base + b * inst.steps_done
-            inst.seg_c0 = inst.dW + k_tokens * inst.dK
-            inst.seg_c1 = b * inst.dK
+            c0 = inst.seg_c0 = inst.dW + k_tokens * inst.dK
+            c1 = inst.seg_c1 = b * inst.dK
             inst.seg_start = now
             inst.seg_steps = steps
             inst.seg_version += 1
@@ -575,7 +575,7 @@ class Engine:
             if was_idle:
                 inst.busy_since = now
             self._push(
-                segment_s(steps, inst.seg_c0, inst.seg_c1, now),
+                segment_s(steps, c0, c1, now),
                 PRI_SEGMENT,
                 EV_SEGMENT,
                 inst.index,
