@@ -24,9 +24,10 @@ class PrefixCache:
 
     - `reserved` (tokens, kept by the engine): KV that admitted requests hold outside the
       cache (prompt not yet cached, output).
-    - pinned blocks: HBM blocks in use by admitted requests, with a reference count each.
-      Pinned blocks stay in HBM and are never evicted; when the last reference goes they
-      become the most recently used unpinned block.
+    - pinned blocks: HBM blocks in use by admitted requests, with a reference count each
+      (`pinned_tokens` is their number × block_tokens). Pinned blocks stay in HBM and are
+      never evicted; when the last reference goes they become the most recently used
+      unpinned block.
     - HBM: an LRU of resident blocks (pinned or not). `fit` evicts the least recently
       used unpinned blocks to host RAM (an LRU of `ram_cap_blocks`, 0 for none), whose own
       overflow goes to the shared disk set (unbounded; None when there is no disk tier).
@@ -34,9 +35,12 @@ class PrefixCache:
       time they will be complete; a block leaves it when inserted.
 
     Invariants (checked by `check`): pinned ⊆ HBM; HBM ∩ RAM = ∅; `len(ram) <=
-    ram_cap_blocks`; `pinned × block_tokens + reserved <= cap_tokens` (the engine admits
-    only what fits); and after every `fit`, `len(hbm) × block_tokens <= cap_tokens -
-    reserved`: the unpinned blocks fill what the running requests leave.
+    ram_cap_blocks`; `pinned_tokens + reserved <= cap_tokens` (the engine admits only what
+    fits); and after every `fit`, `len(hbm) × block_tokens <= cap_tokens - reserved`: the
+    unpinned blocks fill what the running requests leave.
+
+    The hot loops (`locate`, `insert_pinned`, `unpin`, `fit`) run per block of every
+    request; keep them tight when re-implementing this over runs of blocks.
     """
 
     __slots__ = (

@@ -1,6 +1,12 @@
 """The discrete-event cluster engine: continuous batching, a block-level prefix cache per
 instance, KV movement between instances, and a routing policy deciding at each arrival.
 
+This module is the event loop, its handlers and the scheduling they share: one state
+machine over the instances' runtime state, kept in one file (hence its ~900 lines) so a
+handler and the scheduling it triggers read together. The parts with invariants of their
+own live beside it: the per-instance prefix cache in `cache.py`, the decode-segment
+arithmetic in `decode.py`, the job kinds of the waiting queues in `jobs.py`.
+
 Events sit in one heap keyed `(time, priority, sequence)`, so ties resolve the same way
 every run; arrivals stream in from the sorted request list under the same key order
 instead of filling the heap. A decode phase is advanced in closed form to the next event
@@ -57,7 +63,7 @@ from btb_lab.sim.hardware import InstanceSpec
 from btb_lab.sim.jobs import DecodeJob, Job, KVJob, PrefillJob, ReqJob, WarmJob
 from btb_lab.sim.settings import SimSettings
 
-__all__ = ["Engine", "SimInvariantError", "WarmLogEntry"]
+__all__ = ["Engine", "EngineResult", "SimInvariantError", "WarmLogEntry"]
 
 # Event priorities at equal times: KV arrivals first (they can unblock admissions), then
 # completions, then arrivals, so a router always sees the state after everything that
