@@ -169,9 +169,10 @@ class PrefixCache:
         hbm = self._hbm
         ram = self._ram
         pending = self._pending
+        move = hbm.move_to_end
         for h in hashes:
             if h in hbm:
-                hbm.move_to_end(h)
+                move(h)
             else:
                 hbm[h] = None
                 if ram:
@@ -283,10 +284,11 @@ class PrefixCache:
         pins = self._pins
         get = pins.get
         n0 = len(pins)
+        move = hbm.move_to_end
         if start == 0:  # the common case: pin every block (no index to compare)
             for h in hashes:
                 if h in hbm:
-                    hbm.move_to_end(h)
+                    move(h)
                 else:
                     hbm[h] = None
                     if ram:
@@ -295,7 +297,7 @@ class PrefixCache:
         else:
             for i, h in enumerate(hashes):
                 if h in hbm:
-                    hbm.move_to_end(h)
+                    move(h)
                 else:
                     hbm[h] = None
                     if ram:
@@ -362,9 +364,10 @@ class RoutedBlocks:
     def note(self, hashes: Sequence[int]) -> None:
         """`hashes` were routed here: they become the most recent, the oldest drop out."""
         blocks = self._blocks
+        move = blocks.move_to_end
         for h in hashes:
             if h in blocks:
-                blocks.move_to_end(h)
+                move(h)
             else:
                 blocks[h] = None
         cap = self.cap_blocks
