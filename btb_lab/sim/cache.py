@@ -19,6 +19,17 @@ class SimInvariantError(AssertionError):
     """A model invariant broke (only checked with `audit=True`, as tests do)."""
 
 
+def _lead(blocks: Container[int], hashes: Sequence[int]) -> int:
+    """Leading blocks of `hashes` in `blocks`. (`PrefixCache.locate` and the engine's
+    router view run this loop inline: they are on the per-arrival hot path.)"""
+    n = 0
+    for h in hashes:
+        if h not in blocks:
+            return n
+        n += 1
+    return n
+
+
 class PrefixCache:
     """KV memory of one instance, `cap_tokens` in all, in blocks of `block_tokens`.
 
@@ -97,23 +108,11 @@ class PrefixCache:
 
     def lead(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` resident in HBM (complete, so a valid copy source)."""
-        hbm = self._hbm
-        n = 0
-        for h in hashes:
-            if h not in hbm:
-                return n
-            n += 1
-        return n
+        return _lead(self._hbm, hashes)
 
     def lead_pinned(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` pinned here: reusing them takes no new memory."""
-        pins = self._pins
-        n = 0
-        for h in hashes:
-            if h not in pins:
-                return n
-            n += 1
-        return n
+        return _lead(self._pins, hashes)
 
     def locate(self, hashes: Sequence[int], now_s: float) -> tuple[int, int, int, int, int, float]:
         """Where the leading run of `hashes` is, as `(n_hbm, n, n_ram, n_disk, m,
@@ -123,7 +122,7 @@ class PrefixCache:
         none). One call for what a prefill start needs to know."""
         hbm = self._hbm
         n = 0
-        for h in hashes:
+        for h in hashes:  # _lead(hbm, hashes), inline
             if h not in hbm:
                 break
             n += 1
@@ -380,10 +379,4 @@ class RoutedBlocks:
 
     def lead(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` believed held."""
-        blocks = self._blocks
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                return n
-            n += 1
-        return n
+        return _lead(self._blocks, hashes)
