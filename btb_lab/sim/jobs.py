@@ -1,4 +1,5 @@
-"""The pieces of work in an instance's waiting queue, one class per kind.
+"""The pieces of work in an instance's waiting queue, one class per kind, and the warm
+copy a transfer event carries (with its audit record).
 
 Every job has `hashes` (its prompt's leading block hashes), `need` (KV tokens it reserves
 while admitted; while waiting, its full cost) and `enq_s` (when it was last queued).
@@ -8,11 +9,21 @@ Request jobs also carry the request and the record the engine stamps.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeAlias
 
 from btb_lab.records import Request, RequestRecord
 
-__all__ = ["DecodeJob", "Job", "KVJob", "PrefillJob", "ReqJob", "WarmJob"]
+__all__ = [
+    "DecodeJob",
+    "Job",
+    "KVJob",
+    "PrefillJob",
+    "ReqJob",
+    "WarmCopy",
+    "WarmJob",
+    "WarmLogEntry",
+]
 
 
 class ReqJob:
@@ -107,3 +118,28 @@ class WarmJob:
 
 Job: TypeAlias = ReqJob | PrefillJob | KVJob | WarmJob
 DecodeJob: TypeAlias = ReqJob | KVJob  # the jobs that join a decode batch
+
+
+class WarmCopy:
+    """A warming copy in flight from `source` to `target`: the payload of its transfer
+    event."""
+
+    __slots__ = ("hashes", "source", "target")
+
+    def __init__(self, source: int, target: int, hashes: Sequence[int]) -> None:
+        self.source = source
+        self.target = target
+        self.hashes = hashes
+
+
+@dataclass(slots=True, frozen=True)
+class WarmLogEntry:
+    """One warming copy, for audits: it must never start before its source is complete."""
+
+    source: int
+    target: int
+    n_blocks: int
+    decided_s: float
+    start_s: float
+    source_complete_s: float  # when the copied blocks were complete on the source
+    done_s: float
