@@ -43,7 +43,7 @@ class EngineResult:
 
 
 class Engine(Transfers):
-    """One simulated run: build with the instances, settings and policy (the constructor
+    """One simulated run: build with the cost model, settings and policy (the constructor
     is `Scheduler`'s), then `run`."""
 
     # ---------------------------------------------------------------- run loop

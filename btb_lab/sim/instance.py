@@ -12,13 +12,14 @@ import math
 from collections import deque
 from collections.abc import Container, Sequence
 
+from btb_lab.config.sim import SimSettings
+from btb_lab.model.costmodel import InstanceCosts
+from btb_lab.model.hardware import InstanceSpec
 from btb_lab.policies.base import CostModel, InstanceLoad
 from btb_lab.records import UtilSample
 from btb_lab.sim.cache import PrefixCache, RoutedBlocks
 from btb_lab.sim.decode import SharedPrefixReads
-from btb_lab.sim.hardware import InstanceSpec
 from btb_lab.sim.jobs import DecodeJob, Job
-from btb_lab.sim.settings import SimSettings
 
 __all__ = [
     "PHASE_DECODE",
@@ -73,6 +74,7 @@ class InstanceState:
     def __init__(
         self,
         spec: InstanceSpec,
+        costs: InstanceCosts,
         settings: SimSettings,
         block_tokens: int,
         disk: set[int] | None,
@@ -116,14 +118,13 @@ class InstanceState:
         self.mem_bin = -1
         self.mem_peak = 0
         self.mem_samples: dict[int, int] = {}
-        # Closed-form coefficients (seconds).
-        self.p_tok_s = 2.0 * spec.model.active_params / (spec.flops * settings.mfu)
+        # Closed-form coefficients (seconds), from the shared cost model.
+        self.p_tok_s = costs.prefill_token_s
         slow = 1.0 + (settings.connector_decode_slowdown if spec.kv_connector else 0.0)
-        bw = spec.hbm_bw * settings.mbu
-        self.dW = spec.model.active_weight_bytes / bw * slow
-        self.dK = kvb / bw * slow
-        self.ram_tok_s = kvb / spec.ram_bw
-        self.disk_tok_s = kvb / spec.disk_bw
+        self.dW = costs.decode_step_s * slow
+        self.dK = costs.decode_context_token_s * slow
+        self.ram_tok_s = costs.ram_token_s
+        self.disk_tok_s = costs.disk_token_s
 
     def reserve(self, tokens: int, now_s: float, dt_s: float) -> None:
         """Reserve `tokens` of KV (sampling the peak memory use of the `dt_s` bin at

@@ -43,12 +43,12 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
+from btb_lab.config.sim import SimSettings
 from btb_lab.errors import UserError
+from btb_lab.model.costmodel import RooflineCostModel
 from btb_lab.policies.base import Policy
 from btb_lab.records import RequestRecord
-from btb_lab.sim.costs import SimCostModel
 from btb_lab.sim.decode import segment_s, steps_reaching
-from btb_lab.sim.hardware import InstanceSpec
 from btb_lab.sim.instance import (
     PHASE_DECODE,
     PHASE_IDLE,
@@ -57,7 +57,6 @@ from btb_lab.sim.instance import (
     InstanceState,
 )
 from btb_lab.sim.jobs import DecodeJob, Job, KVJob, PrefillJob, ReqJob, WarmJob, WarmLogEntry
-from btb_lab.sim.settings import SimSettings
 
 __all__ = [
     "EV_PARK",
@@ -94,7 +93,7 @@ class Scheduler:
 
     def __init__(
         self,
-        instances: list[InstanceSpec],
+        costs: RooflineCostModel,
         settings: SimSettings,
         policy: Policy,
         *,
@@ -103,6 +102,7 @@ class Scheduler:
         repeat: int = 0,
         audit: bool = False,
     ) -> None:
+        instances = costs.instances
         if not instances:
             raise UserError("the cluster has no instances")
         self.specs = instances
@@ -118,13 +118,16 @@ class Scheduler:
         self.sharing = settings.kv_prefix_sharing
         self.shared_attn = settings.shared_prefix_attention and self.sharing
         self.max_batch = settings.max_batch
-        self.setup_s = settings.transfer_setup_ms / 1e3
+        self.setup_s = costs.transfer_setup_s
         self.dt = settings.sample_interval_s
         # the disk tier is one set of blocks shared by the cluster
         self.disk: set[int] = set()
         disk = self.disk if settings.disk_tier else None
-        self.insts = [InstanceState(s, settings, block_tokens, disk) for s in instances]
-        self.costs = SimCostModel(instances, settings.mfu, self.setup_s)
+        self.insts = [
+            InstanceState(s, c, settings, block_tokens, disk)
+            for s, c in zip(instances, costs.per_instance, strict=True)
+        ]
+        self.costs = costs
         self.view = EngineView(self.insts, self.costs, routed=self.view_routed)
         self.heap: list[tuple[float, int, int, int, int, Any]] = []
         self.seq = 0

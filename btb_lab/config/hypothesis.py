@@ -1,0 +1,369 @@
+"""The hypothesis file: a research claim as a typed, strict, falsifiable experiment.
+
+Every field carries a description (shown by `btb-lab validate --explain` and in the
+README's tour). Cross-field rules live in model validators; checks that need a registry
+(policy names and parameters, model and GPU presets, workload generators) live in the
+loader (`btb_lab.hypothesis.loader`), which imports those registries.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from btb_lab.config.base import StrictModel
+from btb_lab.config.costs import CostSettings, move_sim_aliases
+from btb_lab.config.launch import LaunchSettings
+from btb_lab.config.metrics import METRICS
+from btb_lab.config.sim import SimSettings
+from btb_lab.config.workload import WorkloadSpec
+
+__all__ = [
+    "NUMERIC_FIELDS",
+    "AutoRepeats",
+    "ClassRule",
+    "ClusterSpec",
+    "Condition",
+    "Exclude",
+    "Guard",
+    "Hypothesis",
+    "InstanceGroup",
+    "KVConnector",
+    "ModelShape",
+    "RouterSpec",
+    "SeedVerdict",
+    "Variant",
+    "VerdictRule",
+]
+
+
+class ModelShape(StrictModel):
+    """An explicit model shape, for models without a preset."""
+
+    name: str = Field("custom", description="Display name.")
+    params: float = Field(gt=0, description="Total parameters.")
+    active_params: float | None = Field(
+        None, gt=0, description="Parameters active per token (MoE); defaults to params."
+    )
+    dtype_bytes: float = Field(2, gt=0, description="Bytes per weight and KV element.")
+    layers: int = Field(ge=1, description="Transformer layers.")
+    kv_heads: int = Field(ge=1, description="KV heads (GQA groups).")
+    head_dim: int = Field(ge=1, description="Dimension of one head.")
+
+
+class InstanceGroup(StrictModel):
+    role: Literal["C", "PS"] = Field(
+        "C", description="C: co-located prefill+decode; PS: prefill service."
+    )
+    count: int = Field(1, ge=1, description="Instances of this role.")
+    gpu: str = Field("H100", description="GPU preset (A100, H100, H200, B200, B300, MI300X).")
+    gpus: int = Field(1, ge=1, description="GPUs per instance (tensor-parallel size).")
+
+
+class KVConnector(StrictModel):
+    type: Literal["none", "mooncake"] = Field("none", description="KV transfer connector.")
+    role: Literal["kv_both", "kv_producer", "kv_consumer"] = Field(
+        "kv_both", description="vLLM kv_role of every instance."
+    )
+    protocol: str = Field("rdma", description="Mooncake transport protocol (rdma, tcp).")
+
+
+class ClusterSpec(StrictModel):
+    instances: list[InstanceGroup] = Field(
+        default_factory=lambda: [InstanceGroup()], description="Instance groups by role."
+    )
+    kv_connector: KVConnector = Field(
+        default_factory=KVConnector, description="KV connector on every instance."
+    )
+    launch: LaunchSettings = Field(
+        default_factory=LaunchSettings, description="Real-cluster launch settings."
+    )
+
+
+class RouterSpec(StrictModel):
+    policy: str = Field(description="Registered policy name (see `btb-lab list --policies`).")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Policy parameters, validated by the policy."
+    )
+
+
+class Variant(StrictModel):
+    router: RouterSpec = Field(description="Routing policy for this variant.")
+    description: str | None = Field(None, description="What this variant is.")
+    sim: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the `sim:` settings for this variant."
+    )
+    costs: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the `costs:` block for this variant."
+    )
+    cluster: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the `cluster:` block for this variant."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cost_aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("sim"), dict):
+            data = dict(data)
+            move_sim_aliases(data)
+        return data
+
+
+Operator = Literal["<", "<=", ">", ">=", "==", "!="]
+NUMERIC_FIELDS = frozenset(
+    {"input_tokens", "output_tokens", "cached_tokens", "cached_fraction", "uncached_tokens", "turn"}
+)
+
+
+class Condition(StrictModel):
+    field: Literal[
+        "input_tokens", "output_tokens", "cached_tokens", "cached_fraction", "uncached_tokens",
+        "turn", "route", "source",
+    ] = Field(description="Request field the rule tests.")  # fmt: skip
+    op: Operator = Field(description="Comparison operator.")
+    value: float | str = Field(description="Value compared against.")
+
+    @field_validator("op")
+    @classmethod
+    def _op_fits_field(cls, op: str, info: ValidationInfo) -> str:
+        field = info.data.get("field")
+        if field is not None and field not in NUMERIC_FIELDS and op not in ("==", "!="):
+            raise ValueError(f"{field} is text: use '==' or '!=' (got {op!r})")
+        return op
+
+    @field_validator("value")
+    @classmethod
+    def _value_fits_field(cls, value: float | str, info: ValidationInfo) -> float | str:
+        field = info.data.get("field")
+        if field in NUMERIC_FIELDS and isinstance(value, str):
+            raise ValueError(f"{field} compares with a number, got {value!r}")
+        return value
+
+
+class ClassRule(StrictModel):
+    """First matching rule labels the request; a rule with no conditions matches all."""
+
+    name: str = Field(description="Class label, e.g. WARM, MEDIUM, HEAVY.")
+    when: list[Condition] = Field(
+        default_factory=list, description="All conditions must hold (AND)."
+    )
+
+
+class Guard(StrictModel):
+    metric: str = Field(
+        description="Metric name, e.g. ok_rate, ttft_p90, gpu_imbalance (checked against "
+        "`config.metrics` by the loader)."
+    )
+    klass: str | None = Field(None, alias="class", description="Restrict to one class.")
+    pool: str | None = Field(
+        None, description="Restrict to one pool: the requests whose `source` is this."
+    )
+    max_worse: float = Field(
+        ge=0,
+        description="Largest allowed worsening vs baseline: absolute for ok_rate "
+        "(0.01 = one point), relative otherwise (0.05 = 5%).",
+    )
+
+
+class Exclude(StrictModel):
+    """Warmup and cooldown left out of metrics and verdicts, the same way on every backend:
+    measured on the workload's arrival times (target send times) of each repeat."""
+
+    first_s: float = Field(
+        0.0, ge=0, description="Leave out requests arriving in the first this many seconds."
+    )
+    last_s: float = Field(
+        0.0, ge=0, description="Leave out requests arriving in the last this many seconds."
+    )
+    first_requests: int = Field(0, ge=0, description="Leave out the first N requests.")
+    last_requests: int = Field(0, ge=0, description="Leave out the last N requests.")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.first_s or self.last_s or self.first_requests or self.last_requests)
+
+
+class VerdictRule(StrictModel):
+    metric: str = Field(description="Primary metric, e.g. ttft_p90, tpot_p90, e2e_p50.")
+    klass: str | None = Field(
+        None, alias="class", description="Restrict the primary metric to one class."
+    )
+    pool: str | None = Field(
+        None,
+        description="Restrict the primary metric (and per-class checks) to one pool: the "
+        "requests whose `source` is this, e.g. `synthetic` (the bursty windows of "
+        "Bursted-ART) or `art` (the replayed real windows).",
+    )
+    exclude: Exclude | None = Field(
+        None,
+        description="Warmup / cooldown left out of every metric and the verdict: "
+        "{first_s, last_s} seconds or {first_requests, last_requests} of each repeat.",
+    )
+    multiplicity: Literal["holm", "none"] = Field(
+        "holm",
+        description="With several variants against one baseline: `holm` adjusts each "
+        "primary interval by Holm's step-down procedure (the verdict line says so); "
+        "`none` judges every comparison at the plain confidence level.",
+    )
+    require_all_repeats: bool = Field(
+        False,
+        description="One repeat whose change points against the claimed direction means "
+        "not confirmed (INCONCLUSIVE), however the pooled interval looks.",
+    )
+    direction: Literal["decrease", "increase"] = Field(
+        "decrease", description="Claimed direction of change vs baseline."
+    )
+    min_effect: float = Field(
+        0.05, ge=0, description="Smallest relative change that counts (0.05 = 5%)."
+    )
+    guards: list[Guard] = Field(default_factory=list, description="Must hold for VALIDATED.")
+    per_class: list[str] = Field(
+        default_factory=list,
+        description="Classes checked separately: a claim that holds for some and reverses "
+        "for others is PARTIALLY VALIDATED.",
+    )
+    confidence: float = Field(0.95, gt=0, lt=1, description="Bootstrap interval level.")
+    bootstrap_samples: int = Field(1000, ge=100, description="Bootstrap resamples.")
+    min_ok_requests: int = Field(
+        20, ge=1, description="Fewer successful requests per variant → INCONCLUSIVE."
+    )
+
+    @model_validator(mode="after")
+    def _pools_are_request_scopes(self) -> VerdictRule:
+        scoped = [("verdict", self.metric, self.pool)]
+        scoped += [(f"guard {g.metric}", g.metric, g.pool) for g in self.guards]
+        for where, metric, pool in scoped:
+            if pool is not None and metric in METRICS and METRICS[metric].level != "request":
+                raise ValueError(f"{where}: metric {metric!r} cannot be restricted to a pool")
+        return self
+
+
+class AutoRepeats(StrictModel):
+    """`repeats: auto`: add repeats until every primary interval is tight enough."""
+
+    min: int = Field(3, ge=2, description="Repeats run before the first check.")
+    max: int = Field(20, ge=2, description="Never more repeats than this.")
+    half_width: float | None = Field(
+        None,
+        gt=0,
+        description="Stop once every primary interval's half-width is at most this "
+        "(relative, 0.05 = 5 points); default: the verdict's min_effect.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoRepeats:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
+
+
+class SeedVerdict(StrictModel):
+    """A verdict the claim already received elsewhere (e.g. on a real cluster), printed
+    next to the tool's verdict in the log so the two can be compared."""
+
+    verdict: Literal["VALIDATED", "PARTIALLY VALIDATED", "REJECTED", "INCONCLUSIVE"] = Field(
+        description="The earlier verdict."
+    )
+    source: str = Field(description="Where it comes from (document, experiment).")
+    summary: str | None = Field(None, description="One line on what that experiment found.")
+
+
+class Hypothesis(StrictModel):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Short id, e.g. H4.")
+    title: str = Field(description="One-line title.")
+    claim: str = Field(description="The claim under test.")
+    prior_evidence: str | None = Field(None, description="What motivated the claim.")
+    date: dt.date | None = Field(None, description="When the hypothesis was written.")
+    tags: list[str] = Field(default_factory=list, description="Free-form tags.")
+    notes: str | None = Field(None, description="Anything else worth keeping with the claim.")
+    seed_verdict: SeedVerdict | None = Field(
+        None, description="Verdict from an earlier experiment, shown beside the tool's."
+    )
+    backend: Literal["sim", "cluster"] = Field("sim", description="Where to run.")
+    model: str | ModelShape = Field(
+        "llama-3.3-70b", description="Model preset name or explicit shape."
+    )
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Topology.")
+    costs: CostSettings = Field(
+        default_factory=CostSettings,
+        description="The cost model both backends use (prefill, decode, KV transfer).",
+    )
+    sim: SimSettings = Field(default_factory=SimSettings, description="Simulator fidelity.")
+    workload: WorkloadSpec = Field(description="Requests to replay.")
+    classes: list[ClassRule] = Field(default_factory=list, description="Ordered class rules.")
+    variants: dict[str, Variant] = Field(min_length=1, description="Name → variant.")
+    baseline: str = Field(description="Name of the baseline variant.")
+    repeats: int = Field(
+        1,
+        ge=1,
+        description="Repeats of every variant (each draws a new workload seed); `auto` "
+        "runs `auto_repeats.min` and adds repeats until the intervals are tight.",
+    )
+    auto_repeats: AutoRepeats | None = Field(
+        None,
+        description="Adaptive repeats (set by `repeats: auto`): min, max and the target "
+        "half-width of the primary intervals.",
+    )
+    seed: int = Field(0, ge=0, description="Master seed.")
+    verdict: VerdictRule = Field(description="Decision rule.")
+
+    # `sim.<cost parameter>` spellings moved to `costs` while validating (aliases)
+    _aliases: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cost_aliases(cls, data: Any, handler: ModelWrapValidatorHandler[Hypothesis]) -> Hypothesis:
+        notes: list[str] = []
+        if isinstance(data, dict):
+            data = dict(data)
+            notes = move_sim_aliases(data)
+            # `repeats: auto` turns auto_repeats on (its defaults when absent); an explicit
+            # count (an override, `--repeats N`) turns it off
+            if data.get("repeats") == "auto":
+                auto = data.get("auto_repeats")
+                if auto is None:
+                    auto = data["auto_repeats"] = {}
+                data["repeats"] = auto.get("min", 3) if isinstance(auto, dict) else 3
+            elif "repeats" in data and data.get("auto_repeats") is not None:
+                data["auto_repeats"] = None
+            variants = data.get("variants")
+            if isinstance(variants, dict):
+                moved = {}
+                for name, variant in variants.items():
+                    if isinstance(variant, dict) and isinstance(variant.get("sim"), dict):
+                        variant = dict(variant)
+                        notes += move_sim_aliases(variant, where=f"variants.{name}.")
+                    moved[name] = variant
+                data["variants"] = moved
+        hyp = handler(data)
+        hyp._aliases = notes
+        return hyp
+
+    @field_serializer("repeats")
+    def _dump_repeats(self, repeats: int) -> int | str:
+        # stored hypotheses (manifests) read back as they were written: `repeats: auto`
+        return "auto" if self.auto_repeats is not None else repeats
+
+    @property
+    def aliases(self) -> list[str]:
+        """Deprecated spellings this hypothesis used, e.g. `sim.mfu → costs.mfu`."""
+        return list(self._aliases)
+
+    @model_validator(mode="after")
+    def _baseline_exists(self) -> Hypothesis:
+        if self.baseline not in self.variants:
+            raise ValueError(
+                f"baseline {self.baseline!r} is not a variant; variants: "
+                + ", ".join(self.variants)
+            )
+        return self
