@@ -202,6 +202,11 @@ class Engine(Transfers):
             self._begin_decode(inst, job)
         elif isinstance(job, PrefillJob):
             self._ship_kv(inst, job)
+        elif self.events is not None:  # a warm recompute: the prefix is resident here now
+            self.events.warm_copy(
+                job.start_s, self.now, inst.name, "", job.tokens,
+                mode="prefill", request_id=job.request_id,
+            )  # fmt: skip
         # phase is still PREFILL (busy): _step picks the next piece of work or goes idle
         self._step(inst)
 

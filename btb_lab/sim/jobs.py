@@ -107,13 +107,15 @@ class KVJob:
 class WarmJob:
     """Recompute a prefix here to warm the cache; no request behind it, reserves nothing."""
 
-    __slots__ = ("enq_s", "hashes", "need", "tokens")
+    __slots__ = ("enq_s", "hashes", "need", "request_id", "start_s", "tokens")
 
-    def __init__(self, hashes: Sequence[int], tokens: int) -> None:
+    def __init__(self, hashes: Sequence[int], tokens: int, request_id: str) -> None:
         self.hashes = hashes
         self.tokens = tokens  # tokens to prefill: the prefix's blocks, whole
+        self.request_id = request_id  # the request whose arrival asked for it (events)
         self.need = 0
         self.enq_s = 0.0
+        self.start_s = 0.0  # when its prefill started (events)
 
 
 Job: TypeAlias = ReqJob | PrefillJob | KVJob | WarmJob
@@ -124,12 +126,23 @@ class WarmCopy:
     """A warming copy in flight from `source` to `target`: the payload of its transfer
     event."""
 
-    __slots__ = ("hashes", "source", "target")
+    __slots__ = ("hashes", "request_id", "source", "start_s", "target", "tokens")
 
-    def __init__(self, source: int, target: int, hashes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        source: int,
+        target: int,
+        hashes: Sequence[int],
+        start_s: float,
+        tokens: int,
+        request_id: str,
+    ) -> None:
         self.source = source
         self.target = target
         self.hashes = hashes
+        self.start_s = start_s  # when it starts moving (after its source and the link)
+        self.tokens = tokens
+        self.request_id = request_id  # the request whose arrival asked for it
 
 
 @dataclass(slots=True, frozen=True)

@@ -45,6 +45,7 @@ from typing import Any
 
 from btb_lab.config.sim import SimSettings
 from btb_lab.errors import UserError
+from btb_lab.events import EventLog
 from btb_lab.model.costmodel import RooflineCostModel
 from btb_lab.policies.base import Policy
 from btb_lab.records import RequestRecord
@@ -101,6 +102,7 @@ class Scheduler:
         variant: str = "",
         repeat: int = 0,
         audit: bool = False,
+        events: EventLog | None = None,
     ) -> None:
         instances = costs.instances
         if not instances:
@@ -112,6 +114,9 @@ class Scheduler:
         self.variant = variant
         self.repeat = repeat
         self.audit = audit
+        # what happened over time (queue and batch per instance, warm copies, KV
+        # transfers); None records nothing, at the cost of one test per change
+        self.events = events
         self.after_prefill = settings.kv_visibility == "after_prefill"
         self.view_routed = settings.router_view == "routed"
         self.reusable = settings.transferred_kv_reusable
@@ -156,6 +161,8 @@ class Scheduler:
         job.enq_s = self.now
         inst.waiting.append(job)
         inst.load.waiting += 1
+        if self.events is not None:
+            self.events.change(inst.name, "waiting", self.now, 1)
         # _kick, inlined (once per queued job)
         phase = inst.phase
         if phase == PHASE_IDLE:
@@ -229,12 +236,16 @@ class Scheduler:
             if job.need > cap:
                 waiting.popleft()
                 inst.load.waiting -= 1
+                if self.events is not None:
+                    self.events.change(inst.name, "waiting", now, -1)
                 self._fail(inst, job, f"needs {job.need} KV tokens; {inst.name} holds {cap}")
                 continue
             if not self._admissible(inst, job):
                 break
             waiting.popleft()
             inst.load.waiting -= 1
+            if self.events is not None:
+                self.events.change(inst.name, "waiting", now, -1)
             if isinstance(job, KVJob):
                 self._admit_kv(inst, job)
                 continue
@@ -301,7 +312,9 @@ class Scheduler:
                 if wait_cost < best:
                     job.parked = True
                     job.park_s = now
-                    inst.load.waiting += 1
+                    inst.load.waiting += 1  # a parked job still waits
+                    if self.events is not None:
+                        self.events.change(inst.name, "waiting", now, 1)
                     self.stats["parked_for_warm"] += 1
                     self._push(ready, PRI_PARK, EV_PARK, inst.index, job)
                     return False
@@ -313,11 +326,14 @@ class Scheduler:
         dur = load_s + prefill_s
         done = now + dur
         if isinstance(job, WarmJob):
+            job.start_s = now
             if hashes and not self.after_prefill:
                 cache.insert(hashes, fit=False)
         else:
             inst.n_seqs += 1
             inst.load.running += 1
+            if self.events is not None:
+                self.events.change(inst.name, "running", now, 1)
             rec = job.rec
             rec.queue_s += now - job.enq_s
             rec.cached_tokens = cached
@@ -356,6 +372,8 @@ class Scheduler:
         rec.first_token_s = now
         inst.n_seqs += 1
         inst.load.running += 1
+        if self.events is not None:
+            self.events.change(inst.name, "running", now, 1)
         hashes = job.hashes
         if self.reusable and hashes:
             if self.sharing:
@@ -408,6 +426,8 @@ class Scheduler:
         rec.decode_s = now - rec.first_token_s
         inst.n_seqs -= 1
         inst.load.running -= 1
+        if self.events is not None:
+            self.events.change(inst.name, "running", now, -1)
         inst.cache.reserved -= job.need
         if job.n_pin:
             inst.cache.unpin(job.hashes, job.n_pin)

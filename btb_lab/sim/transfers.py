@@ -36,7 +36,8 @@ class Transfers(Scheduler):
             target.routed.note(hashes)
         if action.mode == "prefill":
             self.stats["warm_prefills"] += 1
-            self._enqueue(target, WarmJob(hashes, len(hashes) * req.block_tokens))
+            warm = WarmJob(hashes, len(hashes) * req.block_tokens, req.request_id)
+            self._enqueue(target, warm)
             return
         if action.source is None or not 0 <= action.source < len(insts):
             raise ValueError(f"rdma warm action needs a valid source, got {action.source}")
@@ -65,12 +66,13 @@ class Transfers(Scheduler):
             self.warm_log.append(
                 WarmLogEntry(source.index, target.index, n_copy, now, start, ready, done)
             )
+        tokens = n_copy * req.block_tokens
         self._push(
             done,
             PRI_TRANSFER,
             EV_TRANSFER,
             target.index,
-            WarmCopy(source.index, target.index, copy),
+            WarmCopy(source.index, target.index, copy, start, tokens, req.request_id),
         )
 
     def _ship_kv(self, pinst: InstanceState, job: PrefillJob) -> None:
@@ -79,6 +81,8 @@ class Transfers(Scheduler):
         now = self.now
         pinst.n_seqs -= 1
         pinst.load.running -= 1
+        if self.events is not None:
+            self.events.change(pinst.name, "running", now, -1)
         pinst.load.outstanding_tokens -= req.input_tokens
         dinst = self.insts[job.decode_inst]
         bw = min(pinst.spec.rdma_bw, dinst.spec.rdma_bw)
@@ -92,12 +96,26 @@ class Transfers(Scheduler):
         dinst.link_free_s = done
         job.rec.kv_transfer_s += done - now
         self.stats["kv_transfers"] += 1
+        if self.events is not None:
+            self.events.kv_transfer(
+                start, done, dinst.name, pinst.name, req.input_tokens, request_id=req.request_id
+            )
         self._push(done, PRI_TRANSFER, EV_TRANSFER, dinst.index, job)
 
     # ---------------------------------------------------------------- handlers
     def _on_transfer(self, index: int, payload: WarmCopy | PrefillJob) -> None:
         inst = self.insts[index]
         if isinstance(payload, WarmCopy):
+            if self.events is not None:
+                self.events.warm_copy(
+                    payload.start_s,
+                    self.now,
+                    inst.name,
+                    self.insts[payload.source].name,
+                    payload.tokens,
+                    mode="rdma",
+                    request_id=payload.request_id,
+                )
             inst.cache.insert_arrived(payload.hashes, self.now, TIME_EPS_S)
             self._kick(inst)
             return
@@ -115,12 +133,11 @@ class Transfers(Scheduler):
         self._enqueue(inst, KVJob(req, job.rec, need, cold=job.cold))
 
     def _on_park(self, index: int, job: ReqJob | PrefillJob) -> None:
-        """A job parked for a warm copy resumes, first in its queue."""
+        """A job parked for a warm copy resumes, first in its queue (it waited all along,
+        so the queue depth does not change)."""
         inst = self.insts[index]
-        inst.load.waiting -= 1
         wait = self.now - job.park_s
         job.rec.kv_transfer_s += wait
         job.rec.queue_s -= wait  # counted again at admission; it is transfer time
         inst.waiting.appendleft(job)
-        inst.load.waiting += 1
         self._kick(inst)
