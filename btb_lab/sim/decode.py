@@ -2,9 +2,11 @@
 step boundary a given elapsed time reaches, and the shared-prefix-attention count of
 prompt blocks that several decoding sequences read once per step.
 
-A segment's step i (from 0) takes `c0 + i * c1` seconds: `c0` is the weights plus the
-batch's context at the segment start, `c1` the batch's growth per step (one token per
-sequence). So k steps take `k * c0 + c1 * k * (k - 1) / 2`.
+A segment's step i (from 0) takes `c0 + i * c1` seconds: `c0` is the weights, the
+per-sequence cost times the batch (a fitted profile's `decode_seq_s`; zero on the
+roofline) and the batch's context at the segment start, `c1` the batch's growth per step
+(one token per sequence). The batch is fixed within a segment (sequences join and leave
+only at its boundaries), so k steps take exactly `k * c0 + c1 * k * (k - 1) / 2`.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ class InstanceState:
         "cache",
         "ctx_base",
         "dK",
+        "dS",
         "dW",
         "disk_tok_s",
         "index",
@@ -56,6 +57,7 @@ class InstanceState:
         "name",
         "p_tok_s",
         "phase",
+        "prefill_costs",
         "ram_tok_s",
         "routed",
         "run_heap",
@@ -120,8 +122,13 @@ class InstanceState:
         self.mem_samples: dict[int, int] = {}
         # Closed-form coefficients (seconds), from the shared cost model.
         self.p_tok_s = costs.prefill_token_s
+        # a fitted profile's prefill (fixed, attention, cached terms) goes through the cost
+        # model's formula; the roofline's is the per-token product alone (None)
+        self.prefill_costs = costs if costs.prefill_terms else None
         slow = 1.0 + (settings.connector_decode_slowdown if spec.kv_connector else 0.0)
+        # decode step: dW + dS × batch + dK × context tokens (decode.py)
         self.dW = costs.decode_step_s * slow
+        self.dS = costs.decode_seq_s * slow
         self.dK = costs.decode_context_token_s * slow
         self.ram_tok_s = costs.ram_token_s
         self.disk_tok_s = costs.disk_token_s

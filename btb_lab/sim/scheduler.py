@@ -257,7 +257,7 @@ class Scheduler:
             b = len(inst.run_heap)
             steps = inst.run_heap[0][0] - inst.steps_done
             k_tokens = inst.ctx_base + b * inst.steps_done
-            c0 = inst.seg_c0 = inst.dW + k_tokens * inst.dK
+            c0 = inst.seg_c0 = inst.dW + k_tokens * inst.dK + b * inst.dS
             c1 = inst.seg_c1 = b * inst.dK
             inst.seg_start = now
             inst.seg_steps = steps
@@ -285,6 +285,7 @@ class Scheduler:
         bt = self.block_tokens
         tokens = job.tokens if isinstance(job, WarmJob) else job.req.input_tokens
         p_tok = inst.p_tok_s
+        costs = inst.prefill_costs  # None: the roofline, (tokens - cached) × p_tok
         cached = 0
         load_s = 0.0
         tier: str | None = None
@@ -294,21 +295,31 @@ class Scheduler:
             n_hbm_lead, n, n_ram, n_disk, m, ready = cache.locate(hashes, now)
             # best of: HBM-only lead, or the whole run loaded from lower tiers
             c_lead = min(n_hbm_lead * bt, tokens)
-            best = (tokens - c_lead) * p_tok
+            if costs is None:
+                best = (tokens - c_lead) * p_tok
+            else:
+                best = costs.prefill_s(tokens - c_lead, c_lead)
             n_use, cached, load_s = n_hbm_lead, c_lead, 0.0
             tier = "hbm" if c_lead else None
             if n > n_hbm_lead:
                 c_all = min(n * bt, tokens)
                 ld = (n_ram * inst.ram_tok_s + n_disk * inst.disk_tok_s) * bt
-                if ld + (tokens - c_all) * p_tok < best:
-                    best = ld + (tokens - c_all) * p_tok
+                if costs is None:
+                    cost = ld + (tokens - c_all) * p_tok
+                else:
+                    cost = ld + costs.prefill_s(tokens - c_all, c_all)
+                if cost < best:
+                    best = cost
                     n_use, cached, load_s = n, c_all, ld
                     tier = "disk" if n_disk else "ram"
             # a warm copy in flight to this instance may beat recomputing: wait for it (once)
             if m > n and not isinstance(job, WarmJob) and not job.parked:
                 c_wait = min(m * bt, tokens)
                 ld = (n_ram * inst.ram_tok_s + n_disk * inst.disk_tok_s) * bt
-                wait_cost = (ready - now) + ld + (tokens - c_wait) * p_tok
+                if costs is None:
+                    wait_cost = (ready - now) + ld + (tokens - c_wait) * p_tok
+                else:
+                    wait_cost = (ready - now) + ld + costs.prefill_s(tokens - c_wait, c_wait)
                 if wait_cost < best:
                     job.parked = True
                     job.park_s = now
@@ -322,7 +333,10 @@ class Scheduler:
                 # touch / promote the blocks this prefill reuses (at_admission inserts
                 # the whole prompt below, which touches them too)
                 cache.touch(hashes, n_use)
-        prefill_s = (tokens - cached) * p_tok
+        if costs is None:
+            prefill_s = (tokens - cached) * p_tok
+        else:
+            prefill_s = costs.prefill_s(tokens - cached, cached)
         dur = load_s + prefill_s
         done = now + dur
         if isinstance(job, WarmJob):

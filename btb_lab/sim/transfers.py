@@ -54,10 +54,10 @@ class Transfers(Scheduler):
             self.stats["warm_copies_skipped"] += 1
             return
         copy = hashes[:n_copy]
-        bw = min(source.spec.rdma_bw, target.spec.rdma_bw)
-        nbytes = n_copy * req.block_tokens * target.spec.kv_bytes_per_token
+        tokens = n_copy * req.block_tokens
+        nbytes = tokens * target.spec.kv_bytes_per_token
         start = max(now, ready, target.link_free_s)
-        done = start + self.setup_s + nbytes / bw
+        done = start + self.setup_s + self.costs.kv_move_s(tokens, source.index, target.index)
         target.link_free_s = done
         target.cache.expect_copy(copy, done)
         self.stats["warm_copies"] += 1
@@ -66,7 +66,6 @@ class Transfers(Scheduler):
             self.warm_log.append(
                 WarmLogEntry(source.index, target.index, n_copy, now, start, ready, done)
             )
-        tokens = n_copy * req.block_tokens
         self._push(
             done,
             PRI_TRANSFER,
@@ -85,8 +84,7 @@ class Transfers(Scheduler):
             self.events.change(pinst.name, "running", now, -1)
         pinst.load.outstanding_tokens -= req.input_tokens
         dinst = self.insts[job.decode_inst]
-        bw = min(pinst.spec.rdma_bw, dinst.spec.rdma_bw)
-        dur = self.setup_s + req.input_tokens * dinst.spec.kv_bytes_per_token / bw
+        dur = self.setup_s + self.costs.kv_move_s(req.input_tokens, pinst.index, dinst.index)
         if self.settings.layerwise:
             start = max(job.prefill_start_s, dinst.link_free_s)
             done = max(start + dur, now + dur / pinst.spec.model.layers)

@@ -70,6 +70,7 @@ def imported_stages(module_path: Path) -> set[tuple[str, int]]:
     found: set[tuple[str, int]] = set()
     for node in ast.walk(tree):
         names: list[str] = []
+        line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -81,7 +82,7 @@ def imported_stages(module_path: Path) -> set[tuple[str, int]]:
         for name in names:
             parts = name.split(".")
             if parts[0] == "btb_lab":
-                found.add((parts[1] if len(parts) > 1 else "btb_lab", node.lineno))
+                found.add((parts[1] if len(parts) > 1 else "btb_lab", line))
     return found
 
 
