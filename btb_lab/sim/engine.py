@@ -1,13 +1,14 @@
 """The discrete-event cluster engine: continuous batching, a block-level prefix cache per
 instance, KV movement between instances, and a routing policy deciding at each arrival.
 
-This module is the event loop, the arrivals (routing) and the completion handlers; the
-engine is built in layers, each importing only those below it: `scheduler.py` (the
-engine's state, the admission rule, prefills, decode segments, KV accounting),
-`transfers.py` (warm copies and prefill offload), `instance.py` (per-instance runtime
-state, the policy's view, utilization), and the parts with invariants of their own:
-the prefix cache in `cache.py`, the decode-segment arithmetic in `decode.py`, the job
-kinds in `jobs.py`.
+This module is the event loop, the arrivals (routing) and the completion handlers. The
+engine is built in layers, each importing only those below it: `Engine` here extends
+`transfers.py` (warm copies and prefill offload), which extends `scheduler.py` (the
+engine's state, the admission rule, prefills, decode segments, KV accounting), over
+`instance.py` (per-instance runtime state, the policy's view, utilization) and the parts
+with invariants of their own: the prefix cache in `cache.py`, the decode-segment
+arithmetic in `decode.py`, the job kinds in `jobs.py`. With an `EventLog` the engine
+records queue and batch changes, warm copies and KV transfers as they happen.
 
 Events sit in one heap keyed `(time, priority, sequence)`, so ties resolve the same way
 every run; arrivals stream in from the sorted request list under the same key order
