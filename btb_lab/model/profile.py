@@ -179,14 +179,13 @@ class ProfileCostModel(RooflineCostModel):
             decode_seq_s=d.per_seq_s,
         )
 
-    def prefill_s(self, instance: int, tokens: int) -> float:
-        return self.profile.prefill_s(tokens)
-
-    def transfer_s(self, tokens: int, source: int, target: int) -> float:
+    def kv_move_s(self, tokens: int, source: int, target: int) -> float:
+        """The fitted per-token transfer cost when the profile measured transfers (its
+        fixed cost is `transfer_setup_s`), else the link bandwidth."""
         t = self.profile.transfer
         if t is None:
-            return super().transfer_s(tokens, source, target)
-        return t.fixed_s + t.per_token_s * tokens
+            return super().kv_move_s(tokens, source, target)
+        return t.per_token_s * tokens
 
     def facts(self) -> dict[str, Any]:
         facts = super().facts()

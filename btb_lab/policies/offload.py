@@ -232,7 +232,8 @@ class PSCost(_Offload):
             view, home, request.block_hashes, request.block_tokens, request.input_tokens
         )
         uncached = request.input_tokens - cached
-        return view.costs.prefill_s(home, uncached) + self.cost_cfg.interference_s
+        prefill_s = view.costs.prefill_s(home, uncached, cached_tokens=cached)
+        return prefill_s + self.cost_cfg.interference_s
 
     def _heavy(
         self,

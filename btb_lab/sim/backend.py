@@ -19,7 +19,7 @@ from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import UserError
 from btb_lab.events import EventLog
 from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
-from btb_lab.policies.base import ClusterView, Decision, Policy, build_policy
+from btb_lab.policies.base import Policy, build_policy
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.engine import Engine
 
@@ -32,7 +32,6 @@ __all__ = [
     "fidelity_facts",
     "run_engine",
     "simulate",
-    "tap_warm_decisions",
 ]
 
 ENGINE_VERSION = "2"  # 2: kv_prefix_sharing (on by default) changes the numbers
@@ -131,6 +130,7 @@ def run_replay(
     *,
     variant: str = "",
     repeat: int = 0,
+    events: EventLog | None = None,
 ) -> tuple[list[UtilSample], dict[str, float], list[Policy]]:
     """Run `requests` as `sim.window_replay` says: on one engine (continuous), or each
     trace window on a fresh engine with a freshly built (re-seeded) policy (fresh). A
@@ -138,8 +138,9 @@ def run_replay(
     if settings.window_replay == "continuous":
         policy = make_policy()
         util, stats, _ = run_engine(
-            costs, settings, policy, requests, emit, variant=variant, repeat=repeat
-        )
+            costs, settings, policy, requests, emit, variant=variant, repeat=repeat,
+            events=events,
+        )  # fmt: skip
         return util, stats, [policy]
     windows = windows_of(requests)
     util_all: list[UtilSample] = []
@@ -149,8 +150,9 @@ def run_replay(
         policy = make_policy()
         policies.append(policy)
         util, stats, _ = run_engine(
-            costs, settings, policy, window, emit, variant=variant, repeat=repeat
-        )
+            costs, settings, policy, window, emit, variant=variant, repeat=repeat,
+            events=events,
+        )  # fmt: skip
         start_s = window[0].arrival_s
         end_s = windows[n + 1][0].arrival_s if n + 1 < len(windows) else float("inf")
         util_all.extend(u for u in util if u.time_s <= end_s and (n == 0 or u.time_s > start_s))
@@ -170,6 +172,7 @@ def run_engine(
     variant: str = "",
     repeat: int = 0,
     audit: bool = False,
+    events: EventLog | None = None,
 ) -> tuple[list[UtilSample], dict[str, float], Engine]:
     """Run one engine over `requests`; lower-level than `simulate` (tests and bench)."""
     engine = Engine(
@@ -180,6 +183,7 @@ def run_engine(
         variant=variant,
         repeat=repeat,
         audit=audit,
+        events=events,
     )
     result = engine.run(requests, emit)
     return result.utilization, result.stats, engine
@@ -217,38 +221,6 @@ def simulate(
     return records, util, fidelity
 
 
-def tap_warm_decisions(policy: Policy, log: EventLog) -> None:
-    """Record the warm copies `policy` asks for, seen from outside the engine: started when
-    decided, landing when the cost model says a copy of that size takes (setup + bytes /
-    link bandwidth; no waiting for a busy link). Until the engine records its copies
-    itself, this is the simulator's `warm_copy` event (origin `policy`).
-
-    The tap shadows the instance's `route` (the engine calls `policy.route`); the class is
-    left alone, so the engine's check for an `on_finish` override still holds."""
-    route = policy.route
-
-    def tapped(request: Request, view: ClusterView) -> Decision:
-        decision = route(request, view)
-        for action in decision.warm:
-            n = min(action.n_blocks, len(request.block_hashes))
-            tokens = n * request.block_tokens
-            if tokens <= 0:
-                continue
-            names = [inst.name for inst in view.instances]
-            now = view.now_s
-            if action.mode == "rdma" and action.source is not None:
-                done = now + view.costs.transfer_s(tokens, action.source, action.target)
-                source = names[action.source]
-            else:
-                done = now + view.costs.prefill_s(action.target, tokens)
-                source = ""
-            log.warm_copy(now, done, names[action.target], source, tokens,
-                          mode=action.mode, request_id=request.request_id)  # fmt: skip
-        return decision
-
-    policy.route = tapped  # type: ignore[method-assign]
-
-
 class SimBackend:
     """Backend "sim": the embedded discrete-event simulator."""
 
@@ -257,13 +229,7 @@ class SimBackend:
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
         hyp = ctx.hypothesis
         router = ctx.variant.router
-        log = EventLog("policy")
-
-        def make_policy() -> Policy:
-            policy = build_policy(router.policy, router.params, seed=ctx.seed)
-            tap_warm_decisions(policy, log)
-            return policy
-
+        log = EventLog("engine")  # queue, batch, warm copies and KV transfers
         total = len(requests)
         buffer: list[RequestRecord] = []
         done = 0
@@ -279,8 +245,8 @@ class SimBackend:
                 ctx.progress(done, total)
 
         util, stats, policies = run_replay(
-            ctx.costs, hyp.sim, make_policy, requests, emit, variant=ctx.variant_name,
-            repeat=ctx.repeat,
+            ctx.costs, hyp.sim, lambda: build_policy(router.policy, router.params, seed=ctx.seed),
+            requests, emit, variant=ctx.variant_name, repeat=ctx.repeat, events=log,
         )  # fmt: skip
         if buffer:
             ctx.sink.write(buffer)

@@ -90,7 +90,7 @@ def test_output_blocks_enter_the_cache_at_admission(rule: bool, extra: int) -> N
     """1,024 input + 600 output tokens = ceil(1624 / 512) = 4 blocks, 2 of them output."""
     r = Request("a", 0.0, 1024, 600, (1, 2), 512)
     _, engine = run([r], Scripted({}), output_blocks_cached=rule)
-    hbm = engine.insts[0].hbm
+    hbm = list(engine.insts[0].cache.block_set())  # type: ignore[call-overload]
     assert sorted(h for h in hbm if h < 0) == ([-2, -1] if extra else [])
     assert {1, 2} <= set(hbm)
     assert len(hbm) == 2 + extra
@@ -116,9 +116,10 @@ def test_router_match_counts_host_ram(tiers: str, matched: int) -> None:
     costs = RooflineCostModel(nodes(1), CostSettings())
     sim = SimSettings(router_view="resident", router_match_tiers=tiers)
     engine = Engine(costs, sim, Scripted({}), block_tokens=512)
-    engine.insts[0].hbm[7] = None
-    engine.insts[0].ram[8] = None
-    engine.insts[0].ram[9] = None
+    cache = engine.insts[0].cache
+    cache.insert([7], fit=False)
+    cache._ram[8] = None  # as an eviction would leave them
+    cache._ram[9] = None
     assert engine.view.match_blocks(0, [7, 8, 9, 10]) == matched
 
 
@@ -178,10 +179,10 @@ def test_all_that_fit_needs_visibility_at_admission() -> None:
 def test_unbounded_host_ram() -> None:
     costs = RooflineCostModel(nodes(1), CostSettings())
     engine = Engine(costs, SimSettings(host_ram_bytes=None), Scripted({}), block_tokens=512)
-    assert engine.insts[0].ram_cap_blocks == sys.maxsize
+    assert engine.insts[0].cache.ram_cap_blocks == sys.maxsize
     bounded = Engine(costs, SimSettings(host_ram_bytes=512 * KVB * 3), Scripted({}),
                      block_tokens=512)  # fmt: skip
-    assert bounded.insts[0].ram_cap_blocks == 3
+    assert bounded.insts[0].cache.ram_cap_blocks == 3
 
 
 # -- window_replay -------------------------------------------------------------------------
