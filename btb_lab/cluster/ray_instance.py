@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from btb_lab.config.hypothesis import ClusterSpec
     from btb_lab.records import UtilSample
 
-__all__ = ["InstanceHost", "Planner", "StartedInstance"]
+__all__ = ["LOG_CHUNK_BYTES", "InstanceHost", "Planner", "StartedInstance"]
 
 # Plans every instance of a cluster block (ports, command, env): `plan_instances` with
 # the run's model bound. Picklable (a module-level function or a partial of one).

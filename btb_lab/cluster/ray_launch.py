@@ -27,7 +27,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from btb_lab.cluster.launcher import Endpoint, InstanceSpec, LaunchError, tail_lines
-from btb_lab.cluster.ray_instance import InstanceHost, Planner, StartedInstance
+from btb_lab.cluster.ray_instance import (
+    LOG_CHUNK_BYTES,
+    InstanceHost,
+    Planner,
+    StartedInstance,
+)
 from btb_lab.cluster.telemetry import Sampler
 from btb_lab.errors import UserError
 
@@ -71,7 +76,7 @@ def connect(settings: RaySettings) -> ModuleType:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cluster.launch.ray.address: cannot connect to {where}: {first}") from None
     finally:
-        if main:
+        if main and previous is not None:
             signal.signal(signal.SIGTERM, previous)
     atexit.register(_stop_live)  # after Ray's own exit hook, so it runs before it
     return ray
@@ -305,12 +310,17 @@ class RayLauncher:
                 self._copy_logs()
                 self._check_exits()
 
-    def _copy_logs(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
-        """Append what each actor's server log has grown by to `instances/NAME.log`."""
+    def _copy_logs(
+        self, actors: Sequence[_Actor] | None = None, timeout_s: float = CALL_TIMEOUT_S
+    ) -> None:
+        """Append what each actor's server log has grown by to `instances/NAME.log`
+        (by default every actor not lost)."""
         ray = self._ray
         assert ray is not None
         with self._lock:
-            live = [a for a in self._actors if a.started is not None and a.error is None]
+            if actors is None:
+                actors = [a for a in self._actors if a.error is None]
+            live = [a for a in actors if a.started is not None]
             while live:
                 refs = {a.handle.read_log.remote(a.offset): a for a in live}
                 ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
@@ -320,12 +330,12 @@ class RayLauncher:
                     try:
                         data: bytes = ray.get(ref)
                     except Exception:
-                        continue  # a dead actor: its exit check says why
+                        continue  # a lost actor: its exit check says why
                     if data:
                         with actor.log_path.open("ab") as fh:
                             fh.write(data)
                         actor.offset += len(data)
-                    if len(data) >= 1 << 20:
+                    if len(data) >= LOG_CHUNK_BYTES:
                         more.append(actor)
                 live = more
 
@@ -348,7 +358,7 @@ class RayLauncher:
                 else:
                     actor.error = f"exited with code {code}"
                     with contextlib.suppress(Exception):
-                        self._copy_logs()
+                        self._copy_logs([actor])
                 if self._failure is None:
                     self._failure = LaunchError(self._error_text(actor, "during the run"))
 
@@ -423,10 +433,8 @@ class RayLauncher:
             refs = [a.handle.stop.remote(grace) for a in live if a.started is not None]
             with contextlib.suppress(Exception):
                 ray.wait(refs, num_returns=len(refs), timeout=grace + CALL_TIMEOUT_S)
-            self._actors = actors  # so the last copy sees them
             with contextlib.suppress(Exception):
-                self._copy_logs(timeout_s=5.0)
-            self._actors = []
+                self._copy_logs(live, timeout_s=5.0)  # the last lines, up to the exit
             cleanups = [a.handle.cleanup.remote() for a in live if a.started is not None]
             with contextlib.suppress(Exception):
                 ray.wait(cleanups, num_returns=len(cleanups), timeout=5.0)

@@ -102,12 +102,14 @@ def hypothesis_files(folder: Path) -> tuple[Path, Path]:
     return local, on_ray
 
 
-def btb_run(hypothesis: Path, out: Path, cluster: LocalRayCluster) -> subprocess.Popen[str]:
+def btb_run(
+    hypothesis: Path, out: Path, cluster: LocalRayCluster, *options: str
+) -> subprocess.Popen[str]:
     env = ray_env()
     assert cluster.address is not None
     env["RAY_ADDRESS"] = cluster.address
     return subprocess.Popen(
-        [str(BTB), "run", str(hypothesis), "--out", str(out), "--no-progress"],
+        [str(BTB), "run", str(hypothesis), "--out", str(out), "--no-progress", *options],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -243,7 +245,8 @@ def test_a_lost_node_fails_its_instance_with_a_clear_error(
     _, ray_file = hypothesis_files(tmp_path)
     before = vllm_pids() | actor_pids()
     out = tmp_path / "run"
-    proc = btb_run(ray_file, out, cluster)
+    # a long first variant, so that the node is lost well inside it
+    proc = btb_run(ray_file, out, cluster, "--set", "workload.generator.params.requests=240")
     wait_for_records(out, proc, 3)
     cluster.kill_node(cluster.worker_raylets[-1])
     try:
