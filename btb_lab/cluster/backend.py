@@ -11,6 +11,7 @@ everything this backend started before it propagates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import json
 import os
@@ -20,17 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from btb_lab.backends import BackendResult, RunContext
 from btb_lab.cluster.driver import ClientPool, LoadDriver, RunClock, event_loop_name, run_async
-from btb_lab.cluster.launcher import (
-    Endpoint,
-    Launcher,
-    plan_endpoints,
-    plan_instances,
-    sigterm_raises,
-)
+from btb_lab.cluster.launcher import Endpoint, plan_endpoints, plan_instances, sigterm_raises
+from btb_lab.cluster.launchers import InstanceLauncher, new_launcher, until_failure
 from btb_lab.cluster.router import Router
 from btb_lab.cluster.telemetry import (
     NvmlSampler,
-    PsutilSampler,
     Sampler,
     cache_hit_rates,
     metrics_delta,
@@ -142,7 +137,7 @@ class ClusterBackend:
     name = "cluster"
 
     def __init__(self) -> None:
-        self._launcher: Launcher | None = None
+        self._launcher: InstanceLauncher | None = None
         self._launch_key: str | None = None
         self._endpoints: list[Endpoint] = []
 
@@ -167,26 +162,22 @@ class ClusterBackend:
                 self._launcher.check_alive()
                 return self._endpoints, "reused"
             self.close()
-        launcher = Launcher(
-            ctx.run_dir / "instances",
-            ready_timeout_s=launch.ready_timeout_s,
-            stop_grace_s=launch.stop_grace_s,
-        )
+        plan = functools.partial(plan_instances, model=model)  # also run on Ray nodes
+        launcher = new_launcher(cluster, ctx.run_dir / "instances", plan)
         self._launcher = launcher
-        self._endpoints = launcher.start(
-            plan_instances(cluster, model=model), label=f"{ctx.variant_name} r{ctx.repeat}"
-        )
+        self._endpoints = launcher.start(plan(cluster), label=f"{ctx.variant_name} r{ctx.repeat}")
         self._launch_key = key
         return self._endpoints, "launched"
 
     def _sampler(self, ctx: RunContext, endpoints: list[Endpoint], clock: RunClock) -> Sampler:
         launch = ctx.hypothesis.cluster.launch
+        if self._launcher is not None:
+            return self._launcher.sampler(
+                endpoints, launch.telemetry_interval_s, launch.device, clock.now
+            )
         if launch.device == "gpu" and nvml_available():
             owners = {g: ep.name for ep in endpoints for g in ep.gpus}
             return NvmlSampler(owners, launch.telemetry_interval_s, clock.now)
-        pids = self._launcher.pids() if self._launcher is not None else {}
-        if pids:
-            return PsutilSampler(pids, launch.telemetry_interval_s, clock.now)
         return Sampler(launch.telemetry_interval_s, clock.now)  # attached, no NVML: nothing
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
@@ -196,7 +187,8 @@ class ClusterBackend:
         with sigterm_raises():
             try:
                 endpoints, mode = self._instances(ctx, model)
-                result = run_async(self._drive(ctx, requests, endpoints, model))
+                driven = self._drive(ctx, requests, endpoints, model)
+                result = run_async(until_failure(driven, self._launcher))
             except BaseException:
                 self.close()
                 raise
