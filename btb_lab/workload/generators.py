@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from btb_lab.config.base import StrictModel
 from btb_lab.errors import UserError
-from btb_lab.records import Request
+from btb_lab.records import BURST_JOB_KINDS, Request
 from btb_lab.registry import Registry
 from btb_lab.workload.hashing import BlockIdAllocator
 
@@ -153,6 +153,20 @@ class BurstedParams(StrictModel):
         None, description="Trace file for plain windows, relative to the hypothesis folder."
     )
     real_trace_format: str = Field("mooncake", description="Format of `real_trace`.")
+    hinted_bursts: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of burst jobs whose requests carry a job kind in their metadata "
+        "(labeling, batch_extraction or subagent_fanout); the others carry none.",
+    )
+    hinted_decoys: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of decoy jobs whose requests carry such a job kind too: hints "
+        "that announce a burst that never comes.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BurstedParams:
@@ -214,6 +228,7 @@ def _add(
     output_tokens: int,
     group_id: str | None,
     block_tokens: int,
+    job_kind: str | None = None,
 ) -> None:
     """Append one synthetic request of a bursted window."""
     rows.append(
@@ -227,13 +242,24 @@ def _add(
             group_id=group_id,
             trace_id=trace_id,
             source="synthetic",
+            job_kind=job_kind,
         )
     )
+
+
+def _job_kind(hints: np.random.Generator, share: float) -> str | None:
+    """The job kind one job's requests carry: with probability `share` one of the burst
+    kinds, else none. Drawn from the hint stream only, so the requests themselves do not
+    depend on the hint settings."""
+    hinted = hints.random() < share
+    kind = BURST_JOB_KINDS[int(hints.integers(0, len(BURST_JOB_KINDS)))]
+    return kind if hinted else None
 
 
 def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
     """Windows of the seed's Bursted-ART shape (see `BurstedParams`)."""
     rng = np.random.default_rng(ctx.seed)
+    hints = np.random.default_rng([ctx.seed, 0x6A6F62])  # job kinds: a stream of their own
     ids = BlockIdAllocator(f"bursted:{ctx.seed}")
     bt = ctx.block_tokens
     splits = _split_windows(rng, p.windows, p.train_fraction)
@@ -246,6 +272,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
         rows: list[Request] = []
 
         for b in range(p.bursts_per_window):
+            kind = _job_kind(hints, p.hinted_bursts)
             prefix = ids.take(p.prefix_tokens // bt)
             start_s = rng.uniform(0, p.window_s - p.burst_spread_s)
             arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, p.burst_size))
@@ -267,8 +294,10 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                     o,
                     f"{trace_id}-burst{b}",
                     bt,
+                    kind,
                 )
         for d in range(p.decoys_per_window):
+            kind = _job_kind(hints, p.hinted_decoys)
             prefix = ids.take(p.prefix_tokens // bt)
             arrivals = np.sort(rng.uniform(0, p.window_s, p.decoy_repeats))
             suffixes = _lognormal_ints(
@@ -294,6 +323,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                     o,
                     f"{trace_id}-decoy{d}",
                     bt,
+                    kind,
                 )
         n_background = int(rng.poisson(p.background_rate_per_s * p.window_s))
         arrivals = np.sort(rng.uniform(0, p.window_s, n_background))
@@ -339,6 +369,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                         trace_id=trace_id,
                         source="art",
                         turn=request.turn,
+                        job_kind=request.job_kind,
                     )
                 )
     return out

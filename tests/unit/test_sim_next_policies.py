@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from btb_lab.policies import build_policy
+from btb_lab.policies.base import Decision, WarmAction
 from btb_lab.records import Request
-from tests.unit.test_sim_engine import P_TOK, run
+from tests.unit.test_sim_engine import P_TOK, Scripted, run
 
 HEAVY_BLOCKS = 80  # 40,960 tokens: HEAVY at the 32,768-token threshold
 
@@ -43,3 +44,32 @@ def test_turn1_placement_by_sessions_not_by_ongoing_tokens(policy: str, b_instan
         # it waits for B's whole cold prefill on C0, then has nothing to compute
         assert recs["a2"].queue_s == pytest.approx(cold, rel=1e-9)
         assert a2_ttft == pytest.approx(cold, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("first_chunk", "queue_tokens", "ttft_tokens"),
+    [
+        (2, 1024, 1024 + 512),  # chunk 2 computes only blocks 3-4, then w2's own block
+        (4, 0, 512),  # the whole prefix was prefilled at t=0: w2 computes its block only
+    ],
+)
+def test_a_later_chunk_recomputes_only_the_blocks_it_adds(
+    first_chunk: int, queue_tokens: int, ttft_tokens: int
+) -> None:
+    """WarmAction(prefill, n_blocks=depth) as btb's chunks use it: the target prefills
+    only the blocks it does not hold yet, so chunks cost what one whole prefill costs."""
+    prefix = (1, 2, 3, 4)
+    w1 = Request("w1", 0.0, 5 * 512, 2, (*prefix, 900), 512)
+    w2 = Request("w2", 1.0, 5 * 512, 2, (*prefix, 901), 512)
+    chunk = (WarmAction(None, 1, 4, "prefill"),) if first_chunk < 4 else ()
+    script = {
+        "w1": Decision(0, warm=(WarmAction(None, 1, first_chunk, "prefill"),)),
+        "w2": Decision(1, warm=chunk),
+    }
+    recs, engine = run([w1, w2], Scripted(script))
+    r = recs["w2"]
+    assert r.instance == "C1"
+    assert r.cached_tokens == 2048
+    assert r.queue_s == pytest.approx(queue_tokens * P_TOK, rel=1e-9, abs=1e-12)
+    assert r.first_token_s - r.sent_s == pytest.approx(ttft_tokens * P_TOK, rel=1e-9)  # type: ignore[operator]
+    assert engine.stats["warm_prefills"] == (2 if first_chunk < 4 else 1)
