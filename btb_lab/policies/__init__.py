@@ -1,6 +1,14 @@
 """Routing policies, one module per family, all registered in POLICIES on import."""
 
-from btb_lab.policies import btb, btb_detect, cache_aware, offload, session_affinity, simple
+from btb_lab.policies import (
+    btb,
+    btb_detect,
+    cache_aware,
+    lmetric,
+    offload,
+    session_affinity,
+    simple,
+)
 from btb_lab.policies.base import POLICIES, build_policy
 
 __all__ = [
@@ -9,6 +17,7 @@ __all__ = [
     "btb_detect",
     "build_policy",
     "cache_aware",
+    "lmetric",
     "offload",
     "session_affinity",
     "simple",

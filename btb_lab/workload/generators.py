@@ -114,6 +114,12 @@ class BurstedParams(StrictModel):
     window_s: float = Field(60.0, gt=0, description="Length of one window in seconds.")
     bursts_per_window: int = Field(1, ge=0, description="Burst jobs in each synthetic window.")
     burst_size: int = Field(500, ge=1, description="Requests in one burst (N).")
+    burst_sizes: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="Burst sizes to cycle through instead of one burst_size: the k-th burst "
+        "of the run (window by window) has burst_sizes[k mod len] requests.",
+    )
     prefix_tokens: int = Field(65536, ge=1, description="Prefix shared by a burst (P), tokens.")
     burst_spread_s: float = Field(
         8.0,
@@ -172,11 +178,24 @@ class BurstedParams(StrictModel):
     def _check(self) -> BurstedParams:
         if self.burst_spread_s > self.window_s:
             raise ValueError("burst_spread_s must not exceed window_s")
-        if self.bursts_per_window and self.decoy_repeats >= self.burst_size:
+        if self.burst_sizes is not None and min(self.burst_sizes) < 1:
+            raise ValueError("burst_sizes must all be at least 1")
+        if self.bursts_per_window and self.decoy_repeats >= self.smallest_burst:
             raise ValueError("decoy_repeats must be smaller than burst_size (else it is a burst)")
         if self.real_windows and not self.real_trace:
             raise ValueError("real_windows needs real_trace")
         return self
+
+    @property
+    def smallest_burst(self) -> int:
+        """The fewest requests any burst has."""
+        return min(self.burst_sizes) if self.burst_sizes is not None else self.burst_size
+
+    def size_of_burst(self, k: int) -> int:
+        """Requests in the k-th burst of the run (0-based, window by window)."""
+        if self.burst_sizes is None:
+            return self.burst_size
+        return self.burst_sizes[k % len(self.burst_sizes)]
 
 
 def _split_windows(
@@ -273,14 +292,15 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
 
         for b in range(p.bursts_per_window):
             kind = _job_kind(hints, p.hinted_bursts)
+            size = p.size_of_burst(w * p.bursts_per_window + b)
             prefix = ids.take(p.prefix_tokens // bt)
             start_s = rng.uniform(0, p.window_s - p.burst_spread_s)
-            arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, p.burst_size))
+            arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, size))
             suffixes = _lognormal_ints(
-                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, p.burst_size
+                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, size
             )
             outputs = _lognormal_ints(
-                rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, p.burst_size
+                rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, size
             )
             for t, s, o in zip(arrivals, suffixes, outputs, strict=True):
                 _add(

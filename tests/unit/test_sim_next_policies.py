@@ -73,3 +73,25 @@ def test_a_later_chunk_recomputes_only_the_blocks_it_adds(
     assert r.queue_s == pytest.approx(queue_tokens * P_TOK, rel=1e-9, abs=1e-12)
     assert r.first_token_s - r.sent_s == pytest.approx(ttft_tokens * P_TOK, rel=1e-9)  # type: ignore[operator]
     assert engine.stats["warm_prefills"] == (2 if first_chunk < 4 else 1)
+
+
+def test_pd_split_by_hand_prefill_pool_then_transfer_then_decode_pool() -> None:
+    """Two prefill and two decode instances. Turn 1 prefills cold on P0 and its KV moves
+    to the idle D; turn 2 of the same context goes back to P0, which holds it, and only
+    its new block is computed there."""
+    from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS, make_instance
+
+    llama, h100 = MODEL_PRESETS["llama-3.3-70b"], GPU_PRESETS["H100"]
+    roles = ["PS", "PS", "C", "C"]
+    insts = [make_instance(i, f"{r}{i}", r, h100, 4, llama) for i, r in enumerate(roles)]
+    t1 = Request("t1", 0.0, 4 * 512, 3, (1, 2, 3, 4), 512, session_id="s")
+    t2 = Request("t2", 5.0, 5 * 512, 3, (1, 2, 3, 4, 5), 512, session_id="s")
+    recs, _ = run([t1, t2], build_policy("pd_split"), insts)
+    kvb = 320 * 1024
+    for rec, tokens, computed in ((recs["t1"], 2048, 2048), (recs["t2"], 2560, 512)):
+        transfer = 0.001 + tokens * kvb / 200e9
+        assert (rec.prefill_instance, rec.instance, rec.route) == ("PS0", "C2", "PD")
+        assert rec.cached_tokens == tokens - computed
+        assert rec.kv_transfer_s == pytest.approx(transfer)
+        ttft = rec.first_token_s - rec.sent_s  # type: ignore[operator]
+        assert ttft == pytest.approx(computed * P_TOK + transfer, rel=1e-9)

@@ -100,3 +100,25 @@ def test_a_bad_job_kind_in_a_trace_names_the_field(tmp_path: Path) -> None:
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(UserError, match=r"metadata\.job_kind"):
         load_trace(path, "bursted-art")
+
+
+def test_burst_sizes_cycle_over_the_runs_bursts() -> None:
+    requests = bursted(burst_sizes=[5, 30, 12], bursts_per_window=2, windows=3)
+    sizes: dict[str, int] = defaultdict(int)
+    for r in requests:
+        if r.group_id and "-burst" in r.group_id:
+            sizes[r.group_id] += 1
+    by_window = sorted(sizes.items(), key=lambda kv: (kv[0].split("-w")[1], kv[0]))
+    assert [n for _, n in by_window] == [5, 30, 12, 5, 30, 12]
+
+
+def test_burst_sizes_unset_is_burst_size_and_validated() -> None:
+    assert _burst_rows(bursted()) == _burst_rows(bursted(burst_sizes=[20]))
+    with pytest.raises(UserError, match="decoy_repeats"):
+        bursted(burst_sizes=[3, 40])  # a 3-request burst is no bigger than a decoy
+    with pytest.raises(UserError, match="burst_sizes"):
+        bursted(burst_sizes=[])
+
+
+def _burst_rows(requests: list[Request]) -> list[tuple[object, ...]]:
+    return [(r.request_id, r.arrival_s, r.input_tokens, r.block_hashes) for r in requests]
