@@ -8,7 +8,7 @@ import pytest
 from btb_lab.policies import build_policy
 from btb_lab.policies.base import Decision, WarmAction
 from btb_lab.records import Request
-from tests.unit.test_sim_engine import P_TOK, Scripted, run
+from tests.unit.test_sim_engine import P_TOK, Scripted, nodes, run
 
 HEAVY_BLOCKS = 80  # 40,960 tokens: HEAVY at the 32,768-token threshold
 
@@ -95,3 +95,57 @@ def test_pd_split_by_hand_prefill_pool_then_transfer_then_decode_pool() -> None:
         assert rec.kv_transfer_s == pytest.approx(transfer)
         ttft = rec.first_token_s - rec.sent_s  # type: ignore[operator]
         assert ttft == pytest.approx(computed * P_TOK + transfer, rel=1e-9)
+
+
+@pytest.mark.parametrize(("kind", "head_start_s", "warm_prefills"),
+                         [("labeling", 0.01, 2), (None, 0.0, 1)])  # fmt: skip
+def test_a_hinted_first_arrival_starts_speculative_prefill_at_once(
+    kind: str | None, head_start_s: float, warm_prefills: int
+) -> None:
+    """btb_hint, mode prefill, M = 2 on two instances, Y = the 4-block prefix. Hinted: r1
+    fires the detector, both instances start prefilling the prefix at t = 0 and r1 waits
+    for C0's copy; r2 (t = 0.01) lands on C1, 0.01 s into its copy. Unhinted: r1 runs cold
+    on C0, r2 fires X = 2 and C1's speculative prefill starts only then."""
+    prefix = (1, 2, 3, 4)
+    reqs = []
+    for rid, t, own in (("r1", 0.0, 900), ("r2", 0.01, 901)):
+        r = Request(rid, t, 5 * 512, 2, (*prefix, own), 512)
+        r.job_kind = kind
+        reqs.append(r)
+    policy = build_policy("btb_hint", {"mode": "prefill", "replicas": 2, "prefix_blocks": 4})
+    recs, engine = run(reqs, policy)
+    r1, r2 = recs["r1"], recs["r2"]
+    assert (r1.instance, r2.instance, r2.route) == ("C0", "C1", "WARM_HIT")
+    assert r1.first_token_s - r1.sent_s == pytest.approx(2560 * P_TOK, rel=1e-9)  # type: ignore[operator]
+    r2_ttft = r2.first_token_s - r2.sent_s  # type: ignore[operator]
+    assert r2_ttft == pytest.approx(2560 * P_TOK - head_start_s, rel=1e-9)
+    assert r2.cached_tokens == 2048
+    assert engine.stats["warm_prefills"] == warm_prefills
+
+
+def test_adaptive_btb_with_collapsed_ranges_replays_btb_exactly() -> None:
+    """On the engine, btb_adaptive whose X, Z, M ranges have no width gives BTB's records
+    to the last time stamp; with room to grow M it warms more replicas on the burst."""
+    from btb_lab.workload.generators import GenContext, generate
+
+    work = generate(
+        "bursted",
+        {"windows": 1, "burst_size": 40, "prefix_tokens": 8192, "decoys_per_window": 1,
+         "decoy_repeats": 2, "background_rate_per_s": 0.3, "burst_spread_s": 4},
+        GenContext(seed=2),
+    )  # fmt: skip
+    fixed = {"prefix_tokens": 8192, "replicas": 2}
+    collapsed = {**fixed, "replicas_max": 2, "burst_count_max": 2, "burst_window_max_s": 1.0}
+
+    def replay(name: str, params: dict[str, object]) -> tuple[list[tuple[object, ...]], float]:
+        recs, engine = run(work, build_policy(name, params), nodes(4))
+        rows = sorted((r.request_id, r.instance, r.route, r.first_token_s, r.finish_s)
+                      for r in recs.values())  # fmt: skip
+        return rows, engine.stats["warm_copies"]
+
+    btb_rows, btb_copies = replay("btb", fixed)
+    same_rows, same_copies = replay("btb_adaptive", collapsed)
+    assert same_rows == btb_rows
+    assert same_copies == btb_copies == 1
+    _, grown = replay("btb_adaptive", {**fixed, "replicas_max": 4, "grow_at_load": 1})
+    assert grown > btb_copies
