@@ -104,7 +104,8 @@ class WarmSpend(_Stored):
     """What a variant's warming cost, from its `warm_copy` events over all repeats: RDMA
     copies, and speculative prefills with the share spent on jobs that never became a
     burst (decoys). A speculative prefill counts once per repeat, target and job, at its
-    deepest (chunks extend one prefill); its seconds are the cost model's prefill time."""
+    deepest (chunks extend one prefill); its seconds are the instance time its event
+    spans (on the simulator, the cost model's prefill time)."""
 
     copies: int = 0
     copy_tokens: int = 0

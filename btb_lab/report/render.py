@@ -93,8 +93,9 @@ def result_lines(summary: Summary, baseline: str) -> list[str]:
         if warm.prefills:
             lines.append(
                 f"Speculative prefill: {warm.prefills} actions, {warm.prefill_tokens:,} tokens "
-                f"= {warm.prefill_s:.2f} GPU-s; on decoys (jobs of ≤ {warm.decoy_max_requests} "
-                f"requests) {warm.decoy_prefill_tokens:,} tokens = {warm.decoy_prefill_s:.2f} GPU-s"
+                f"= {warm.prefill_s:.2f} instance-s; on decoys (jobs of ≤ "
+                f"{warm.decoy_max_requests} requests) {warm.decoy_prefill_tokens:,} tokens = "
+                f"{warm.decoy_prefill_s:.2f} instance-s"
             )
     return lines
 
