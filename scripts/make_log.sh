@@ -36,7 +36,10 @@ cp "$preamble" "$LOG"
 
 mkdir -p "$OUT"
 status=0
-for file in hypotheses/h[0-9]*.yaml hypotheses/btb.yaml hypotheses/btb-fidelity.yaml; do
+# H1, H2, …, H9, H10, … in number order (a plain glob sorts h10 before h2)
+numbered="$(printf '%s\n' hypotheses/h[0-9]*.yaml | sort -V)"
+# shellcheck disable=SC2086  # the file names have no spaces
+for file in $numbered hypotheses/btb.yaml hypotheses/btb-fidelity.yaml; do
     [[ -f "$file" ]] || continue
     name="$(basename "$file" .yaml)"
     run_dir="$OUT/$name"

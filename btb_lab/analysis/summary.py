@@ -18,6 +18,7 @@ from btb_lab.analysis.classes import assign_classes
 from btb_lab.analysis.metrics import summarize_variants
 from btb_lab.analysis.models import Exclusion, PrimarySpec, Summary, VariantSummary, Verdict
 from btb_lab.analysis.scopes import apply_exclusion
+from btb_lab.analysis.speculation import warm_spend
 from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
@@ -127,6 +128,10 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
     variant_block = summarize_variants(
         records, util, variants, [rule.name for rule in hypothesis.classes]
     )
+    events = read_events(run_dir, variants)
+    for name, spend in warm_spend(events, all_records, variants).items():
+        if name in variant_block:
+            variant_block[name].warm = spend
     rule = hypothesis.verdict
     summary = Summary(
         hypothesis=hypothesis.id,
@@ -150,7 +155,6 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
         exclusion=exclusion,
         repeats=len({r.repeat for r in manifest.runs}) or None,
     )
-    events = read_events(run_dir, variants)
     return AnalyzedRun(
         run_dir, manifest, hypothesis, records, util, verdict, summary, all_records, events
     )

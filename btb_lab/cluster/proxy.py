@@ -1,6 +1,7 @@
 """`btb-lab router serve`: the in-process router exposed as an OpenAI-compatible proxy
 (`/v1/completions` with streaming passthrough), so external load tools can drive a
-hypothesis variant's policy against real instances. Binds 127.0.0.1 by default.
+hypothesis variant's policy against real instances. Binds 127.0.0.1 by default. A body's
+`metadata.job_kind` becomes the request's job kind for the policy and is not forwarded.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def build_proxy_app(router: Router, *, block_tokens: int) -> Starlette:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             return JSONResponse({"error": "batched prompts are not supported"}, status_code=400)
         n_in = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
+        # the router's own metadata (`{"job_kind": ...}`, a hint for btb_hint) stops here
+        metadata = body.pop("metadata", None)
+        job_kind = metadata.get("job_kind") if isinstance(metadata, dict) else None
         req = Request(
             request_id=f"proxy-{next(ids)}",
             arrival_s=router.clock.now(),
@@ -66,6 +70,7 @@ def build_proxy_app(router: Router, *, block_tokens: int) -> Starlette:
             block_hashes=prompt_block_hashes(prompt, block_tokens),
             block_tokens=block_tokens,
             session_id=body.get("user"),
+            job_kind=job_kind if isinstance(job_kind, str) and job_kind else None,
         )
         decision = router.policy.route(req, router.state)
         inst = decision.instance

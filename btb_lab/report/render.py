@@ -89,6 +89,14 @@ def result_lines(summary: Summary, baseline: str) -> list[str]:
             imbalance = "n/a" if gpu.imbalance is None else f"{gpu.imbalance:.2f}x"
             std = gpu.std or 0.0
             lines.append(f"GPU imbalance={imbalance} std={std * 100:.1f}% max={gpu.max * 100:.1f}%")
+        warm = v.warm
+        if warm.prefills:
+            lines.append(
+                f"Speculative prefill: {warm.prefills} actions, {warm.prefill_tokens:,} tokens "
+                f"= {warm.prefill_s:.2f} instance-s; on decoys (jobs of ≤ "
+                f"{warm.decoy_max_requests} requests) {warm.decoy_prefill_tokens:,} tokens = "
+                f"{warm.decoy_prefill_s:.2f} instance-s"
+            )
     return lines
 
 

@@ -215,7 +215,8 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
     """Bursted-ART rows (the BTB seed's schema); `arrival_s` is seconds within the window.
 
     Windows (`trace_id`) may interleave in the file. Where a row's metadata carries a
-    `turn`, turns of one session must arrive in turn order.
+    `turn`, turns of one session must arrive in turn order; a `job_kind` there becomes the
+    request's `job_kind`.
     """
     seen_ids: dict[str, int] = {}
     session_turns: dict[tuple[str, str], dict[int, float]] = {}
@@ -253,6 +254,9 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
                             f"turn {other_turn}",
                         )
                 turns[turn] = arrival_s
+        job_kind = meta.get("job_kind")
+        if job_kind is not None and (not isinstance(job_kind, str) or not job_kind):
+            raise BadRow("metadata.job_kind", "must be a non-empty string")
         seen_ids[request_id] = line_no
         return Request(
             request_id=request_id,
@@ -266,6 +270,7 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
             trace_id=trace_id,
             source=source,
             turn=turn,
+            job_kind=job_kind,
         )
 
     return _run_rows(path, skip_bad_rows, parse)

@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from btb_lab.config.base import StrictModel
 from btb_lab.errors import UserError
-from btb_lab.records import Request
+from btb_lab.records import BURST_JOB_KINDS, Request
 from btb_lab.registry import Registry
 from btb_lab.workload.hashing import BlockIdAllocator
 
@@ -114,6 +114,12 @@ class BurstedParams(StrictModel):
     window_s: float = Field(60.0, gt=0, description="Length of one window in seconds.")
     bursts_per_window: int = Field(1, ge=0, description="Burst jobs in each synthetic window.")
     burst_size: int = Field(500, ge=1, description="Requests in one burst (N).")
+    burst_sizes: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="Burst sizes to cycle through instead of one burst_size: the k-th burst "
+        "of the run (window by window) has burst_sizes[k mod len] requests.",
+    )
     prefix_tokens: int = Field(65536, ge=1, description="Prefix shared by a burst (P), tokens.")
     burst_spread_s: float = Field(
         8.0,
@@ -153,16 +159,43 @@ class BurstedParams(StrictModel):
         None, description="Trace file for plain windows, relative to the hypothesis folder."
     )
     real_trace_format: str = Field("mooncake", description="Format of `real_trace`.")
+    hinted_bursts: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of burst jobs whose requests carry a job kind in their metadata "
+        "(labeling, batch_extraction or subagent_fanout); the others carry none.",
+    )
+    hinted_decoys: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of decoy jobs whose requests carry such a job kind too: hints "
+        "that announce a burst that never comes.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BurstedParams:
         if self.burst_spread_s > self.window_s:
             raise ValueError("burst_spread_s must not exceed window_s")
-        if self.bursts_per_window and self.decoy_repeats >= self.burst_size:
+        if self.burst_sizes is not None and min(self.burst_sizes) < 1:
+            raise ValueError("burst_sizes must all be at least 1")
+        if self.bursts_per_window and self.decoy_repeats >= self.smallest_burst:
             raise ValueError("decoy_repeats must be smaller than burst_size (else it is a burst)")
         if self.real_windows and not self.real_trace:
             raise ValueError("real_windows needs real_trace")
         return self
+
+    @property
+    def smallest_burst(self) -> int:
+        """The fewest requests any burst has."""
+        return min(self.burst_sizes) if self.burst_sizes is not None else self.burst_size
+
+    def size_of_burst(self, k: int) -> int:
+        """Requests in the k-th burst of the run (0-based, window by window)."""
+        if self.burst_sizes is None:
+            return self.burst_size
+        return self.burst_sizes[k % len(self.burst_sizes)]
 
 
 def _split_windows(
@@ -214,6 +247,7 @@ def _add(
     output_tokens: int,
     group_id: str | None,
     block_tokens: int,
+    job_kind: str | None = None,
 ) -> None:
     """Append one synthetic request of a bursted window."""
     rows.append(
@@ -227,13 +261,24 @@ def _add(
             group_id=group_id,
             trace_id=trace_id,
             source="synthetic",
+            job_kind=job_kind,
         )
     )
+
+
+def _job_kind(hints: np.random.Generator, share: float) -> str | None:
+    """The job kind one job's requests carry: with probability `share` one of the burst
+    kinds, else none. Drawn from the hint stream only, so the requests themselves do not
+    depend on the hint settings."""
+    hinted = hints.random() < share
+    kind = BURST_JOB_KINDS[int(hints.integers(0, len(BURST_JOB_KINDS)))]
+    return kind if hinted else None
 
 
 def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
     """Windows of the seed's Bursted-ART shape (see `BurstedParams`)."""
     rng = np.random.default_rng(ctx.seed)
+    hints = np.random.default_rng([ctx.seed, 0x6A6F62])  # job kinds: a stream of their own
     ids = BlockIdAllocator(f"bursted:{ctx.seed}")
     bt = ctx.block_tokens
     splits = _split_windows(rng, p.windows, p.train_fraction)
@@ -246,14 +291,16 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
         rows: list[Request] = []
 
         for b in range(p.bursts_per_window):
+            kind = _job_kind(hints, p.hinted_bursts)
+            size = p.size_of_burst(w * p.bursts_per_window + b)
             prefix = ids.take(p.prefix_tokens // bt)
             start_s = rng.uniform(0, p.window_s - p.burst_spread_s)
-            arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, p.burst_size))
+            arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, size))
             suffixes = _lognormal_ints(
-                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, p.burst_size
+                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, size
             )
             outputs = _lognormal_ints(
-                rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, p.burst_size
+                rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, size
             )
             for t, s, o in zip(arrivals, suffixes, outputs, strict=True):
                 _add(
@@ -267,8 +314,10 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                     o,
                     f"{trace_id}-burst{b}",
                     bt,
+                    kind,
                 )
         for d in range(p.decoys_per_window):
+            kind = _job_kind(hints, p.hinted_decoys)
             prefix = ids.take(p.prefix_tokens // bt)
             arrivals = np.sort(rng.uniform(0, p.window_s, p.decoy_repeats))
             suffixes = _lognormal_ints(
@@ -294,6 +343,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                     o,
                     f"{trace_id}-decoy{d}",
                     bt,
+                    kind,
                 )
         n_background = int(rng.poisson(p.background_rate_per_s * p.window_s))
         arrivals = np.sort(rng.uniform(0, p.window_s, n_background))
@@ -339,6 +389,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                         trace_id=trace_id,
                         source="art",
                         turn=request.turn,
+                        job_kind=request.job_kind,
                     )
                 )
     return out

@@ -102,6 +102,19 @@ def test_queue_and_batch_are_rebuilt_from_simulator_stamps() -> None:
     )  # fmt: skip
 
 
+def test_a_run_where_every_request_was_offloaded_is_rebuilt_too() -> None:
+    """Full PD separation: no request is co-located, so C0 only ever decodes."""
+    records = pd.DataFrame([
+        _record(request_id="b", prefill_instance="PS1", queue_s=0.5, prefill_s=1.5,
+                kv_transfer_s=0.5, first_token_s=2.5, finish_s=4.0),
+    ])  # fmt: skip
+    ev = reconstruct_events(records, "v", 0, interval_s=0.5)
+    running = ev[ev["kind"] == "running"]
+    assert set(running["instance"]) == {"PS1", "C0"}
+    assert list(running.loc[running["instance"] == "C0", "time_s"]) == [2.5]
+    assert len(ev[ev["kind"] == "kv_transfer"]) == 1
+
+
 def test_stored_kinds_are_not_reconstructed_again() -> None:
     records = pd.DataFrame([_record(queue_s=0.5, prefill_s=0.5)])
     stored = pd.DataFrame([{"variant": "v", "repeat": 0, "time_s": 0.0, "kind": "waiting",
