@@ -44,8 +44,9 @@ typecheck: $(STAMP) ## mypy on the package
 
 check: lint typecheck test ## ruff format check, ruff, mypy and the tests
 
-bench: $(STAMP) ## Simulator speed and memory on a fixed seeded workload
+bench: $(STAMP) ## Simulator speed and memory: the short-prompt engine loop, then whole runs on research-shaped workloads
 	$(BTB) sim bench
+	$(PY) benchmarks/workloads_bench.py
 
 bench-driver: $(STAMP) ## Load-driver sustained rate and send lag against a local endpoint
 	$(BTB) router bench

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import operator
 import os
 import secrets
 from collections.abc import Iterable
@@ -106,11 +107,12 @@ def _part_name(variant: str, repeat: int, kind: str) -> str:
     return f"{kind}-{safe}-{digest}-r{repeat:03d}.jsonl"
 
 
+_RECORD_VALUES = operator.attrgetter(*("klass" if c == "class" else c for c in RECORD_COLUMNS))
+
+
 def record_row(rec: RequestRecord) -> dict[str, Any]:
     """One RequestRecord as a row with the RECORD_COLUMNS names (+ `extra` as JSON)."""
-    row: dict[str, Any] = {}
-    for column in RECORD_COLUMNS:
-        row[column] = rec.klass if column == "class" else getattr(rec, column)
+    row: dict[str, Any] = dict(zip(RECORD_COLUMNS, _RECORD_VALUES(rec), strict=True))
     row["extra"] = json.dumps(rec.extra, sort_keys=True) if rec.extra else None
     return row
 
@@ -182,9 +184,16 @@ def write_events_part(
         os.fsync(fh.fileno())
 
 
-def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]] | dict[str, list[Any]]:
+    """The rows of every `kind` part in order: as columns when pyarrow reads every part
+    with the column types below, else as one dict per line (stopping a part at a line cut
+    short by a crash). Either goes straight into `pd.DataFrame(..., columns=...)`."""
+    parts = sorted((run_dir / PARTS_DIR).glob(f"{kind}-*.jsonl"))
+    columns = _read_parts_columnar(parts, _PART_TYPES[kind]) if parts else None
+    if columns is not None:
+        return columns
     rows: list[dict[str, Any]] = []
-    for part in sorted((run_dir / PARTS_DIR).glob(f"{kind}-*.jsonl")):
+    for part in parts:
         with part.open(encoding="utf-8") as fh:
             for line in fh:
                 line = line.strip()
@@ -197,7 +206,47 @@ def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _typed_records(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+def _part_types(
+    columns: Iterable[str], floats: Iterable[str], ints: Iterable[str]
+) -> dict[str, str]:
+    floats, ints = set(floats), set(ints)
+    return {
+        c: "float" if c in floats else "int" if c in ints else "bool" if c == "ok" else "str"
+        for c in columns
+    }
+
+
+_PART_TYPES = {
+    "requests": _part_types([*RECORD_COLUMNS, "extra"], _FLOAT_COLUMNS, _INT_COLUMNS),
+    "util": _part_types(UTIL_COLUMNS, ("time_s", "utilization", "memory_bytes"), ("repeat",)),
+    "events": _part_types(EVENT_COLUMNS, ("time_s", "value", "end_s"), ("repeat",)),
+}
+
+
+def _read_parts_columnar(parts: list[Path], types: dict[str, str]) -> dict[str, list[Any]] | None:
+    """Each column of `parts` as one list of the values `json.loads` gives (JSON numbers in
+    a float column as floats), or None when some part needs the line reader: a line cut
+    short, a value of another type."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    kinds = {"float": pa.float64(), "int": pa.int64(), "bool": pa.bool_(), "str": pa.string()}
+    schema = pa.schema([(name, kinds[kind]) for name, kind in types.items()])
+    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    columns: dict[str, list[Any]] = {name: [] for name in types}
+    for part in parts:
+        try:
+            table = pj.read_json(part, parse_options=options)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        for name, values in columns.items():
+            values.extend(table.column(name).to_pylist())
+    return columns
+
+
+def _typed_records(
+    rows: list[dict[str, Any]] | dict[str, list[Any]], order: list[str] | None
+) -> pd.DataFrame:
     """Rows of the parts as a typed frame with STORED_COLUMNS (+ `extra`)."""
     frame = pd.DataFrame(rows, columns=[*RECORD_COLUMNS, "extra"])
     for column in _FLOAT_COLUMNS:
@@ -215,7 +264,9 @@ def _typed_records(rows: list[dict[str, Any]], order: list[str] | None) -> pd.Da
     return frame[[*STORED_COLUMNS, "extra"]]
 
 
-def _typed_util(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+def _typed_util(
+    rows: list[dict[str, Any]] | dict[str, list[Any]], order: list[str] | None
+) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=list(UTIL_COLUMNS))
     for column in ("time_s", "utilization", "memory_bytes"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
@@ -229,7 +280,9 @@ def _typed_util(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataF
     return frame.reset_index(drop=True)
 
 
-def _typed_events(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+def _typed_events(
+    rows: list[dict[str, Any]] | dict[str, list[Any]], order: list[str] | None
+) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=list(EVENT_COLUMNS))
     for column in ("time_s", "value", "end_s"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")

@@ -12,13 +12,14 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from btb_lab.errors import UserError
 from btb_lab.records import Request
 from btb_lab.registry import Registry
-from btb_lab.workload.hashing import block_id
+from btb_lab.workload.hashing import BlockIdInterner, block_id
 
 __all__ = [
     "FORMATS",
@@ -121,19 +122,32 @@ def _text(row: dict[str, Any], name: str, *, required: bool = True) -> str | Non
     return str(value)
 
 
+_ID_TYPES_INT = frozenset({int})
+_ID_TYPES_ANY = frozenset({int, str})
+
+
 def _hash_ids(
-    row: dict[str, Any], input_tokens: int, block_tokens: int, *, allow_str: bool
+    row: dict[str, Any],
+    input_tokens: int,
+    block_tokens: int,
+    interner: BlockIdInterner,
+    *,
+    allow_str: bool,
 ) -> tuple[int, ...]:
     value = _require(row, "hash_ids")
     if not isinstance(value, list | tuple):
         raise BadRow("hash_ids", "must be a list")
-    ids: list[int] = []
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, int | str):
-            raise BadRow("hash_ids", f"ids must be integers or strings, got {item!r}")
-        if isinstance(item, str) and not allow_str:
-            raise BadRow("hash_ids", f"ids must be integers, got {item!r}")
-        ids.append(block_id(item))
+    # One C-level pass over the types instead of a check per id; only a row with some
+    # other type walks its ids to name the first bad one.
+    if set(map(type, value)) <= (_ID_TYPES_ANY if allow_str else _ID_TYPES_INT):
+        ids = interner.ids(value)
+    else:
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int | str):
+                raise BadRow("hash_ids", f"ids must be integers or strings, got {item!r}")
+            if isinstance(item, str) and not allow_str:
+                raise BadRow("hash_ids", f"ids must be integers, got {item!r}")
+        ids = tuple(block_id(item) for item in value)  # subclasses of int / str
     limit = math.ceil(input_tokens / block_tokens)
     if len(ids) > limit:
         raise BadRow(
@@ -141,7 +155,49 @@ def _hash_ids(
             f"{len(ids)} ids but input_length {input_tokens} at {block_tokens} tokens "
             f"per block allows at most {limit}",
         )
-    return tuple(ids)
+    return ids
+
+
+class _SessionTurns:
+    """Turn order within sessions: earlier turns arrive no later than a turn, later turns
+    after it. Keeps each turn's earliest and latest arrival, since one session may hold
+    several requests of one turn (a burst job's requests are all its turn 1)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+
+    def check(self, trace_id: str, session_id: str, turn: int, arrival_s: float) -> None:
+        turns = self._sessions.setdefault((trace_id, session_id), {})
+        for other_turn, (first_s, last_s) in turns.items():
+            if (other_turn < turn and last_s > arrival_s) or (
+                other_turn > turn and first_s <= arrival_s
+            ):
+                raise BadRow(
+                    "arrival_s",
+                    f"turn {turn} of session {session_id!r} is out of order with turn {other_turn}",
+                )
+        first_s, last_s = turns.get(turn, (arrival_s, arrival_s))
+        turns[turn] = (min(first_s, arrival_s), max(last_s, arrival_s))
+
+
+def _columnar(
+    build: Callable[[Any, Path, int], list[Request]], path: Path, block_tokens: int
+) -> LoadedTrace | None:
+    """`build`'s requests from the columnar reader, or None where the file needs the row
+    loader (see `columnar`: the fast path takes only files every row of which the row
+    loader would accept as they are)."""
+    if not path.is_file():
+        return None
+    from btb_lab.workload import columnar
+
+    try:
+        return LoadedTrace(build(columnar, path, block_tokens))
+    except columnar.Fallback:
+        return None
+
+
+def _non_decreasing(values: list[float], previous: float) -> bool:
+    return all(a <= b for a, b in pairwise([previous, *values]))
 
 
 def _run_rows(
@@ -172,14 +228,18 @@ def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
 
     File order is arrival order, so a timestamp earlier than the previous row's is an error.
     """
+    fast = _columnar(_columnar_mooncake, path, block_tokens)
+    if fast is not None:
+        return fast
     last_ms = -math.inf
+    interner = BlockIdInterner()
 
     def parse(line_no: int, row: dict[str, Any]) -> Request:
         nonlocal last_ms
         timestamp_ms = _time(row, "timestamp")
         input_tokens = _length(row, "input_length")
         output_tokens = _length(row, "output_length")
-        hashes = _hash_ids(row, input_tokens, block_tokens, allow_str=False)
+        hashes = _hash_ids(row, input_tokens, block_tokens, interner, allow_str=False)
         if timestamp_ms < last_ms:
             raise BadRow("timestamp", f"{timestamp_ms:g} is earlier than the previous row's")
         last_ms = timestamp_ms
@@ -194,6 +254,39 @@ def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
         )
 
     return _run_rows(path, skip_bad_rows, parse)
+
+
+def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]:
+    fields = {"timestamp": "time", "input_length": "length", "output_length": "length"}
+    schema = col.schema(fields, col.id_type(path, allow_str=False))
+    out: list[Request] = []
+    last_ms = -math.inf
+    for batch, _ in col.read_batches(path, schema):
+        times_ms = col.required_times(batch, "timestamp")
+        inputs = col.required_lengths(batch, "input_length")
+        outputs = col.required_lengths(batch, "output_length")
+        hashes = col.block_id_tuples(batch, inputs, block_tokens)
+        if not _non_decreasing(times_ms, last_ms):
+            raise col.Fallback("timestamps go back")
+        line_no = len(out)
+        for timestamp_ms, input_tokens, output_tokens, blocks in zip(
+            times_ms, inputs, outputs, hashes, strict=True
+        ):
+            line_no += 1
+            out.append(
+                Request(
+                    request_id=f"{path.stem}-{line_no}",
+                    arrival_s=timestamp_ms / 1000.0,
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                    block_hashes=blocks,
+                    block_tokens=block_tokens,
+                    source="trace",
+                )
+            )
+        if times_ms:
+            last_ms = times_ms[-1]
+    return out
 
 
 def _metadata(row: dict[str, Any]) -> dict[str, Any]:
@@ -215,11 +308,16 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
     """Bursted-ART rows (the BTB seed's schema); `arrival_s` is seconds within the window.
 
     Windows (`trace_id`) may interleave in the file. Where a row's metadata carries a
-    `turn`, turns of one session must arrive in turn order; a `job_kind` there becomes the
-    request's `job_kind`.
+    `turn`, turns of one session must arrive in turn order (one turn may hold several
+    requests, as a burst job's requests are all its turn 1); a `job_kind` there becomes
+    the request's `job_kind`.
     """
+    fast = _columnar(_columnar_bursted_art, path, block_tokens)
+    if fast is not None:
+        return fast
     seen_ids: dict[str, int] = {}
-    session_turns: dict[tuple[str, str], dict[int, float]] = {}
+    session_turns = _SessionTurns()
+    interner = BlockIdInterner()
 
     def parse(line_no: int, row: dict[str, Any]) -> Request:
         arrival_s = _time(row, "arrival_s")
@@ -230,7 +328,7 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
         request_id = _text(row, "request_id")
         input_tokens = _length(row, "input_length")
         output_tokens = _length(row, "output_length")
-        hashes = _hash_ids(row, input_tokens, block_tokens, allow_str=True)
+        hashes = _hash_ids(row, input_tokens, block_tokens, interner, allow_str=True)
         session_id = _text(row, "session_id", required=False)
         group_id = _text(row, "group_id", required=False)
         meta = _metadata(row)
@@ -245,15 +343,7 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
                 raise BadRow("metadata.turn", "must be an integer ≥ 1")
             turn = turn_value
             if session_id is not None:
-                turns = session_turns.setdefault((trace_id, session_id), {})
-                for other_turn, other_arrival_s in turns.items():
-                    if (other_turn < turn) != (other_arrival_s <= arrival_s):
-                        raise BadRow(
-                            "arrival_s",
-                            f"turn {turn} of session {session_id!r} is out of order with "
-                            f"turn {other_turn}",
-                        )
-                turns[turn] = arrival_s
+                session_turns.check(trace_id, session_id, turn, arrival_s)
         job_kind = meta.get("job_kind")
         if job_kind is not None and (not isinstance(job_kind, str) or not job_kind):
             raise BadRow("metadata.job_kind", "must be a non-empty string")
@@ -276,6 +366,63 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
     return _run_rows(path, skip_bad_rows, parse)
 
 
+def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Request]:
+    fields = {
+        "arrival_s": "time", "trace_id": "text", "source": "text", "request_id": "text",
+        "input_length": "length", "output_length": "length", "session_id": "text",
+        "group_id": "text", "metadata": "metadata",
+    }  # fmt: skip
+    schema = col.schema(fields, col.id_type(path, allow_str=True))
+    seen_ids: set[str] = set()
+    session_turns = _SessionTurns()
+    out: list[Request] = []
+    for batch, null_turn_written in col.read_batches(path, schema):
+        arrivals = col.required_times(batch, "arrival_s")
+        trace_ids = col.required_text(batch, "trace_id")
+        sources = col.required_text(batch, "source")
+        if not set(sources) <= set(BURSTED_ART_SOURCES):
+            raise col.Fallback("unknown source")
+        request_ids = col.required_text(batch, "request_id")
+        inputs = col.required_lengths(batch, "input_length")
+        outputs = col.required_lengths(batch, "output_length")
+        hashes = col.block_id_tuples(batch, inputs, block_tokens)
+        sessions = col.optional_text(batch, "session_id")
+        groups = col.optional_text(batch, "group_id")
+        turns, has_turn = col.turns(batch, null_turn_written)
+        kinds = col.job_kinds(batch)
+        rows = zip(
+            arrivals, trace_ids, sources, request_ids, inputs, outputs, hashes, sessions,
+            groups, turns, has_turn, kinds, strict=True,
+        )  # fmt: skip
+        for arrival_s, trace_id, source, request_id, input_tokens, output_tokens, blocks, \
+                session_id, group_id, turn, turn_given, job_kind in rows:  # fmt: skip
+            if request_id in seen_ids:
+                raise col.Fallback("a request id repeats")
+            if turn_given and session_id is not None:
+                try:
+                    session_turns.check(trace_id, session_id, turn, arrival_s)
+                except BadRow:
+                    raise col.Fallback("turns out of order") from None
+            seen_ids.add(request_id)
+            out.append(
+                Request(
+                    request_id=request_id,
+                    arrival_s=arrival_s,
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                    block_hashes=blocks,
+                    block_tokens=block_tokens,
+                    session_id=session_id,
+                    group_id=group_id,
+                    trace_id=trace_id,
+                    source=source,
+                    turn=turn,
+                    job_kind=job_kind,
+                )
+            )
+    return out
+
+
 @FORMATS.register("art-chat")
 def load_art_chat(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedTrace:
     """ART-Chat rows (`timestamp_ms`, `request_id`, `system_prompt_hash`, lengths, `hash_ids`).
@@ -283,8 +430,12 @@ def load_art_chat(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
     JSONL or parquet (by suffix). File order is arrival order; `system_prompt_hash`
     becomes the request's `group_id`.
     """
+    fast = _columnar(_columnar_art_chat, path, block_tokens)
+    if fast is not None:
+        return fast
     last_ms = -math.inf
     seen_ids: dict[str, int] = {}
+    interner = BlockIdInterner()
 
     def parse(line_no: int, row: dict[str, Any]) -> Request:
         nonlocal last_ms
@@ -293,7 +444,7 @@ def load_art_chat(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
         system_prompt = _text(row, "system_prompt_hash", required=False)
         input_tokens = _length(row, "input_length")
         output_tokens = _length(row, "output_length")
-        hashes = _hash_ids(row, input_tokens, block_tokens, allow_str=True)
+        hashes = _hash_ids(row, input_tokens, block_tokens, interner, allow_str=True)
         assert request_id is not None
         if request_id in seen_ids:
             raise BadRow("request_id", f"{request_id!r} repeats line {seen_ids[request_id]}")
@@ -313,6 +464,48 @@ def load_art_chat(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
         )
 
     return _run_rows(path, skip_bad_rows, parse)
+
+
+def _columnar_art_chat(col: Any, path: Path, block_tokens: int) -> list[Request]:
+    fields = {
+        "timestamp_ms": "time", "request_id": "text", "system_prompt_hash": "text",
+        "input_length": "length", "output_length": "length",
+    }  # fmt: skip
+    schema = col.schema(fields, col.id_type(path, allow_str=True))
+    seen_ids: set[str] = set()
+    out: list[Request] = []
+    last_ms = -math.inf
+    for batch, _ in col.read_batches(path, schema):
+        times_ms = col.required_times(batch, "timestamp_ms")
+        request_ids = col.required_text(batch, "request_id")
+        prompts = col.optional_text(batch, "system_prompt_hash")
+        inputs = col.required_lengths(batch, "input_length")
+        outputs = col.required_lengths(batch, "output_length")
+        hashes = col.block_id_tuples(batch, inputs, block_tokens)
+        if not _non_decreasing(times_ms, last_ms):
+            raise col.Fallback("timestamps go back")
+        before = len(seen_ids)
+        seen_ids.update(request_ids)
+        if len(seen_ids) != before + len(request_ids):
+            raise col.Fallback("a request id repeats")
+        for timestamp_ms, request_id, system_prompt, input_tokens, output_tokens, blocks in zip(
+            times_ms, request_ids, prompts, inputs, outputs, hashes, strict=True
+        ):
+            out.append(
+                Request(
+                    request_id=request_id,
+                    arrival_s=timestamp_ms / 1000.0,
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                    block_hashes=blocks,
+                    block_tokens=block_tokens,
+                    group_id=system_prompt,
+                    source="art",
+                )
+            )
+        if times_ms:
+            last_ms = times_ms[-1]
+    return out
 
 
 def load_trace(

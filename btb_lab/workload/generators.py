@@ -12,9 +12,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
 from btb_lab.config.base import StrictModel
@@ -22,6 +21,9 @@ from btb_lab.errors import UserError
 from btb_lab.records import BURST_JOB_KINDS, Request
 from btb_lab.registry import Registry
 from btb_lab.workload.hashing import BlockIdAllocator
+
+if TYPE_CHECKING:  # numpy loads with the first workload drawn, not at validate time
+    import numpy as np
 
 __all__ = [
     "GENERATORS",
@@ -85,6 +87,8 @@ def generate(kind: str, params: dict[str, Any], ctx: GenContext) -> list[Request
 def _lognormal_ints(
     rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int, size: int
 ) -> np.ndarray:
+    import numpy as np
+
     values = rng.lognormal(mean=math.log(median), sigma=sigma, size=size)
     return np.clip(np.rint(values), lo, hi).astype(np.int64)
 
@@ -277,6 +281,8 @@ def _job_kind(hints: np.random.Generator, share: float) -> str | None:
 
 def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
     """Windows of the seed's Bursted-ART shape (see `BurstedParams`)."""
+    import numpy as np
+
     rng = np.random.default_rng(ctx.seed)
     hints = np.random.default_rng([ctx.seed, 0x6A6F62])  # job kinds: a stream of their own
     ids = BlockIdAllocator(f"bursted:{ctx.seed}")
@@ -439,6 +445,8 @@ def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
     so it reuses every full block of the previous prompt; only an occasional large
     addition makes a later turn both long and mostly uncached.
     """
+    import numpy as np
+
     rng = np.random.default_rng(ctx.seed)
     ids = BlockIdAllocator(f"agentic:{ctx.seed}")
     bt = ctx.block_tokens
@@ -524,6 +532,8 @@ class GammaParams(PoissonParams):
 def _shared_prefix_requests(
     p: PoissonParams, ctx: GenContext, gaps_s: np.ndarray, rng: np.random.Generator, kind: str
 ) -> list[Request]:
+    import numpy as np
+
     ids = BlockIdAllocator(f"{kind}:{ctx.seed}")
     bt = ctx.block_tokens
     prefixes = [ids.take(p.prefix_tokens // bt) for _ in range(p.prefixes)]
@@ -558,6 +568,8 @@ def _shared_prefix_requests(
 
 def generate_poisson(p: PoissonParams, ctx: GenContext) -> list[Request]:
     """Exponential inter-arrival gaps at `rate_per_s`."""
+    import numpy as np
+
     rng = np.random.default_rng(ctx.seed)
     gaps_s = rng.exponential(1.0 / p.rate_per_s, p.requests)
     return _shared_prefix_requests(p, ctx, gaps_s, rng, "poisson")
@@ -565,6 +577,8 @@ def generate_poisson(p: PoissonParams, ctx: GenContext) -> list[Request]:
 
 def generate_gamma(p: GammaParams, ctx: GenContext) -> list[Request]:
     """Gamma inter-arrival gaps with mean 1/rate_per_s and the given shape."""
+    import numpy as np
+
     rng = np.random.default_rng(ctx.seed)
     gaps_s = rng.gamma(p.shape, 1.0 / (p.rate_per_s * p.shape), p.requests)
     return _shared_prefix_requests(p, ctx, gaps_s, rng, "gamma")

@@ -1,14 +1,16 @@
 """Stable ids for prefix blocks: string block ids become 63-bit ints via blake2b.
 
 Python's `hash()` changes per process, so every persistent id in btb-lab goes through
-here instead. Integer ids (Mooncake, ART-Chat) are kept exactly as they are.
+here instead. Integer ids (Mooncake, ART-Chat) are kept exactly as they are. Loaders
+convert each distinct id once (`BlockIdInterner`), not once per occurrence.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
-__all__ = ["BlockIdAllocator", "block_id", "stable_hash63"]
+__all__ = ["BlockIdAllocator", "BlockIdInterner", "block_id", "stable_hash63", "stable_hashes63"]
 
 _MASK_63 = (1 << 63) - 1
 
@@ -19,6 +21,14 @@ def stable_hash63(text: str) -> int:
     return int.from_bytes(digest, "big") & _MASK_63
 
 
+def stable_hashes63(texts: Iterable[str]) -> list[int]:
+    """`stable_hash63` of each of `texts`, in one pass (no function call per text)."""
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    return [
+        from_bytes(blake2b(t.encode(), digest_size=8).digest(), "big") & _MASK_63 for t in texts
+    ]
+
+
 def block_id(value: int | str) -> int:
     """Block id as stored in `Request.block_hashes`: ints unchanged, strings hashed."""
     if isinstance(value, bool):
@@ -26,6 +36,27 @@ def block_id(value: int | str) -> int:
     if isinstance(value, int):
         return value
     return stable_hash63(value)
+
+
+class BlockIdInterner(dict[int | str, int]):
+    """`block_id` memoized over one trace: each distinct id is converted once, and every
+    occurrence of it shares one int object, so a loaded trace costs one tuple slot per
+    block occurrence plus one int per distinct block.
+
+    Keys must be exact `str` or `int` (never `bool` or `float`, which compare equal to
+    ints): callers check the types of a row's ids before looking them up.
+    """
+
+    __slots__ = ()
+
+    def __missing__(self, key: int | str) -> int:
+        value = stable_hash63(key) if isinstance(key, str) else key
+        self[key] = value
+        return value
+
+    def ids(self, items: Iterable[int | str]) -> tuple[int, ...]:
+        """The block ids of `items` (exact `str` / `int` values), in order."""
+        return tuple(map(self.__getitem__, items))
 
 
 class BlockIdAllocator:

@@ -23,14 +23,17 @@ from a namespaced counter (no hash per block), so equal seeds give equal windows
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import numpy as np
 from pydantic import Field
 
 from btb_lab.config.base import StrictModel
 from btb_lab.records import Request
 from btb_lab.workload.generators import GENERATORS, GenContext, GeneratorEntry
 from btb_lab.workload.hashing import BlockIdAllocator
+
+if TYPE_CHECKING:  # numpy loads with the first workload drawn, not at validate time
+    import numpy as np
 
 __all__ = ["SeedBurstyParams", "generate_seed_bursty"]
 
@@ -65,6 +68,8 @@ class SeedBurstyParams(StrictModel):
 
 
 def generate_seed_bursty(p: SeedBurstyParams, ctx: GenContext) -> list[Request]:
+    import numpy as np
+
     rng = np.random.default_rng(ctx.seed)
     out: list[Request] = []
     for w in range(p.windows):

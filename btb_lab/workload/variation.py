@@ -10,11 +10,13 @@ workload's. Pure and seeded: the same seed gives the same requests.
 from __future__ import annotations
 
 import dataclasses
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from btb_lab.config.workload import RepeatVariation
 from btb_lab.records import Request
+
+if TYPE_CHECKING:  # numpy loads with the first workload drawn, not at validate time
+    import numpy as np
 
 __all__ = ["jitter_arrivals", "resample_windows", "vary_requests"]
 
@@ -55,6 +57,8 @@ def resample_windows(requests: list[Request], rng: np.random.Generator) -> list[
 def jitter_arrivals(requests: list[Request], jitter_s: float, rng: np.random.Generator) -> None:
     """Move every arrival by uniform(−jitter_s, +jitter_s), never below 0; within a session
     the jittered times are handed out in the original turn order (in place)."""
+    import numpy as np
+
     if jitter_s <= 0 or not requests:
         return
     moved = np.array([r.arrival_s for r in requests]) + rng.uniform(
@@ -81,6 +85,8 @@ def vary_requests(
 ) -> list[Request]:
     """One stage of the variation: `windows` (before ordering and time scaling) or
     `jitter` (after them). Each stage draws from its own stream of the repeat's seed."""
+    import numpy as np
+
     if stage == "windows":
         if not variation.resample_windows:
             return requests

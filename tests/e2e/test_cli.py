@@ -34,6 +34,33 @@ def test_run_help_explains_time_scale() -> None:
     assert "<1 denser" in text
 
 
+HEAVY_MODULES = ("numpy", "pandas", "pyarrow", "matplotlib", "scipy", "httpx", "jinja2")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["validate", "hypotheses/h1.yaml"], ["validate", "hypotheses/btb.yaml"]]
+)
+def test_help_and_validate_load_no_heavy_library(argv: list[str]) -> None:
+    """`--help` and `validate` answer without numpy, pandas, pyarrow or matplotlib, which
+    take longer to import than the whole command should (a fresh process, so the test
+    session's own imports do not count)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys\n"
+        "from btb_lab.cli import main\n"
+        f"sys.argv = ['btb-lab', *{argv!r}]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 def test_usage_error_exits_2() -> None:
     assert invoke("run", "--no-such-flag").exit_code == 2
 

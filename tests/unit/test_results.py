@@ -82,3 +82,69 @@ def test_run_dirs_and_resolution(tmp_path: Path) -> None:
     (tmp_path / "out" / "x").write_text("")
     with pytest.raises(UserError, match="not empty"):
         new_run_dir(tmp_path, "H1", out=tmp_path / "out")
+
+
+def test_parts_read_as_columns_give_the_frames_the_line_reader_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyarrow reads whole parts as columns; the frames (values and dtypes) are those of
+    reading every line with json.loads, including NaN, infinities, missing stamps, failed
+    requests, integers in float columns and `extra`."""
+    import math
+
+    import pandas as pd
+
+    from btb_lab.records import EventRecord
+    from btb_lab.results import store
+
+    odd = [
+        rec(0),
+        RequestRecord(
+            variant="v", repeat=1, request_id="r-fail", trace_id="t", source="gen",
+            session_id="s1", instance="C1", route="HEAVY_OFFLOAD", arrival_s=3, sent_s=3.25,
+            first_token_s=None, finish_s=math.nan, input_tokens=0, output_tokens=1,
+            ok=False, error="timeout", klass=None, prefill_instance="P0", cache_tier="ram",
+            queue_s=math.inf, extra={},
+        ),
+        RequestRecord(
+            variant="w/2", repeat=0, request_id="r2", trace_id="t2", source="art",
+            session_id=None, instance="C0", route="COLO", arrival_s=1e-300, sent_s=1.0,
+            first_token_s=2.000000000000001, finish_s=2.5, input_tokens=10**9,
+            output_tokens=7, cached_tokens=512, turn=3, group_id="g", decode_s=-math.inf,
+            extra={"steps": 4, "why": "x"},
+        ),
+    ]  # fmt: skip
+    for variant, records in (("v", odd[:2]), ("w/2", odd[2:])):
+        sink = JsonlRecordSink(tmp_path, variant, 0)
+        sink.write(records)
+        sink.close()
+    write_utilization_part(tmp_path, "v", 0, [UtilSample(0.0, "C0", "sim", 0.5, 3)])
+    store.write_events_part(tmp_path, "v", 0, [
+        EventRecord(1.0, "warm_copy", "C1", "C0", "r2", 4096.0, math.nan, "rdma", "policy"),
+        EventRecord(0.5, "waiting", "C0", value=2),
+    ])  # fmt: skip
+    read = {
+        "requests": lambda: store._typed_records(store._read_parts(tmp_path, "requests"), ["v"]),
+        "util": lambda: store._typed_util(store._read_parts(tmp_path, "util"), ["v"]),
+        "events": lambda: store._typed_events(store._read_parts(tmp_path, "events"), ["v"]),
+    }
+    for kind, frame_of in read.items():
+        assert isinstance(store._read_parts(tmp_path, kind), dict)  # the columnar reader
+        columnar = frame_of()
+        with monkeypatch.context() as patch:
+            patch.setattr(store, "_read_parts_columnar", lambda parts, types: None)
+            assert isinstance(store._read_parts(tmp_path, kind), list)
+            lines = frame_of()
+        pd.testing.assert_frame_equal(columnar, lines, check_exact=True)
+    assert len(read["requests"]()) == 3
+
+
+def test_record_row_names_every_column_in_order() -> None:
+    from btb_lab.results.store import record_row
+
+    row = record_row(rec(3))
+    assert list(row) == [*RECORD_COLUMNS, "extra"]
+    assert row["class"] == "WARM"
+    assert (row["request_id"], row["first_token_s"], row["ok"]) == ("r3", 3.5, True)
+    assert row["extra"] == '{"k": 1}'
+    assert row["error"] is None

@@ -1,0 +1,501 @@
+"""Whole-process `btb-lab run` on workloads shaped like the research (a benchmark, not a
+test): long shared prefixes, agentic sessions, a real trace, and the short-prompt case.
+
+Each case is a trace file (written once, deterministically, by this checkout) and a
+two-variant hypothesis (cache_aware and btb on 4 × (4×H100) llama-3.3-70b, one repeat).
+Every run is a fresh process; the figures per run:
+
+- whole: spawn to exit, as a user waits for `btb-lab run`;
+- peak RSS: the process's high-water mark (VmHWM);
+- stages: import (the CLI's modules), load (trace → requests), simulate (every variant,
+  records stored), analyse (`analyze_run`: metrics, bootstrap, verdict), report (plots
+  and report.md), other (the rest of the command: planning, parquet, printing), start+exit
+  (the interpreter's start and teardown);
+- in-loop: simulated requests per second inside the engine's event loop (the record
+  sink's time taken out).
+
+Several checkouts (`--code DIR`, e.g. a pre-change checkout) run side by side, their
+runs interleaved, each process with that checkout first on `PYTHONPATH` and a shared
+bytecode cache, after one warm-up run each. Medians of `--runs` runs and the ratios to
+the first checkout are printed. On a shared machine run it under the heavy-work lock.
+
+Run: .venv/bin/python benchmarks/workloads_bench.py [--code DIR ...] [--runs 3]
+     [--cases seed_bursty,agentic,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = next(
+    (p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()),
+    ROOT.parent / "shared" / "traces",
+)
+STAGES = ("import", "load", "simulate", "analyse", "report", "other", "start+exit")
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    trace: str  # file name in the work folder
+    fmt: str
+    block_tokens: int
+    prefix_tokens: int  # BTB's Y
+    rows: int = 0
+
+
+CASES = {
+    "seed_bursty": Case(
+        "seed_bursty", "seed-shaped bursty windows: 2 × (8 bursts of 500 + 120 decoys), "
+        "65,536-token prefixes, 256-token blocks", "seed_bursty.jsonl", "bursted-art", 256, 65536,
+    ),
+    "bursted_mixed": Case(
+        "bursted_mixed", "8 synthetic windows (one 500-request burst, 65,536-token prefix) + "
+        "8 Mooncake conversation windows", "bursted_mixed.jsonl", "bursted-art", 512, 65536,
+    ),
+    "agentic": Case(
+        "agentic", "long agentic sessions: 1,000 sessions, ~6 turns, 32k-token first turns, "
+        "contexts up to 128k", "agentic.jsonl", "bursted-art", 512, 16384,
+    ),
+    "mooncake": Case(
+        "mooncake", "the shipped Mooncake conversation trace (12,031 rows, real timestamps)",
+        "mooncake_conversation.jsonl", "mooncake", 512, 16384,
+    ),
+    "short": Case(
+        "short", "short prompts: the sim bench workload (Poisson 24/s, 1–8 shared blocks + 1)",
+        "short.jsonl", "mooncake", 512, 4096,
+    ),
+}  # fmt: skip
+
+HYPOTHESIS = """\
+id: BENCH_{upper}
+title: workloads bench, {name}
+claim: benchmark only
+backend: sim
+model: llama-3.3-70b
+cluster:
+  instances:
+    - {{role: C, count: 4, gpu: H100, gpus: 4}}
+workload:
+  trace: {{path: {trace}, format: {fmt}}}
+  block_tokens: {block_tokens}
+variants:
+  cache_aware:
+    description: cache-aware routing
+    router: {{policy: cache_aware}}
+  btb:
+    description: burst detection and warming
+    router:
+      policy: btb
+      params: {{burst_count: 2, burst_window_s: 1.0, prefix_tokens: {prefix_tokens}, replicas: 4}}
+baseline: cache_aware
+repeats: 1
+seed: 7
+verdict:
+  metric: ttft_p90
+  direction: decrease
+  min_effect: 0.05
+"""
+
+
+def _btb(*args: str) -> None:
+    btb = Path(sys.executable).with_name("btb-lab")
+    subprocess.run([str(btb), *args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def prepare(case: Case, work: Path, traces: Path) -> Path:
+    """Write the case's trace file (unless present) and hypothesis; returns the hypothesis."""
+    trace = work / case.trace
+    if not trace.is_file():
+        if case.name == "seed_bursty":
+            _btb("trace", "generate", "seed_bursty", "--block-tokens", "256",
+                 "-p", "windows=2", "-o", str(trace))  # fmt: skip
+            _drop_turns(trace)
+        elif case.name == "bursted_mixed":
+            _btb("trace", "generate", "bursted", "--seed", "0", "-p", "windows=8",
+                 "-p", "burst_size=500", "-p", "prefix_tokens=65536", "-p", "burst_spread_s=10",
+                 "-p", "real_windows=8",
+                 "-p", f"real_trace={traces / 'mooncake_conversation.jsonl'}",
+                 "-o", str(trace))  # fmt: skip
+        elif case.name == "agentic":
+            _btb("trace", "generate", "agentic", "--seed", "0", "-p", "sessions=1000",
+                 "-p", "session_rate_per_s=0.5", "-p", "turns_mean=6", "-p", "max_turns=20",
+                 "-p", "think_time_s_mean=20", "-p", "first_turn_tokens_median=32000",
+                 "-p", "growth_tokens_median=2000", "-o", str(trace))  # fmt: skip
+        elif case.name == "mooncake":
+            trace.write_bytes((traces / "mooncake_conversation.jsonl").read_bytes())
+        else:
+            _write_short(trace)
+    case.rows = sum(1 for _ in trace.open("rb"))
+    hypothesis = work / f"{case.name}.yaml"
+    hypothesis.write_text(
+        HYPOTHESIS.format(upper=case.name.upper(), name=case.name, trace=trace, fmt=case.fmt,
+                          block_tokens=case.block_tokens, prefix_tokens=case.prefix_tokens),
+        encoding="utf-8",
+    )  # fmt: skip
+    return hypothesis
+
+
+def _drop_turns(path: Path) -> None:
+    """seed_bursty rows name their burst job as the session and every request turn 1; a
+    loader from before one turn could hold several requests rejects that, so the bench
+    file leaves `turn` out (turn 1 is the default): every checkout reads the same rows."""
+    tmp = path.with_suffix(".tmp")
+    with path.open(encoding="utf-8") as rows, tmp.open("w", encoding="utf-8") as handle:
+        for line in rows:
+            row = json.loads(line)
+            row["metadata"].pop("turn", None)
+            handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+    tmp.replace(path)
+
+
+def _write_short(path: Path, n: int = 20_000) -> None:
+    sys.path.insert(0, str(ROOT))
+    from btb_lab.sim.bench import bench_workload
+
+    with path.open("w", encoding="utf-8") as handle:
+        for r in bench_workload(n):
+            row = {"timestamp": r.arrival_s * 1000.0, "input_length": r.input_tokens,
+                   "output_length": r.output_tokens, "hash_ids": list(r.block_hashes)}  # fmt: skip
+            handle.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------- the child process
+
+DRIVER = r"""
+import sys, time
+T0 = time.perf_counter()
+import importlib.abc, importlib.util, json, os
+stages = {"load": 0.0, "simulate": 0.0, "analyse": 0.0, "report": 0.0}
+loop = {"s": 0.0, "requests": 0}
+out_file, argv = sys.argv[1], sys.argv[2:]
+
+def timed(stage, fn, minus=None):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stages[stage] += time.perf_counter() - start
+            if minus:
+                stages[minus] -= time.perf_counter() - start
+    return wrapper
+
+def engine_loop(fn):
+    def wrapper(costs, settings, policy, requests, emit, *args, **kwargs):
+        sink = [0.0]
+        def timed_emit(record):
+            start = time.perf_counter()
+            emit(record)
+            sink[0] += time.perf_counter() - start
+        start = time.perf_counter()
+        result = fn(costs, settings, policy, requests, timed_emit, *args, **kwargs)
+        loop["s"] += time.perf_counter() - start - sink[0]
+        loop["requests"] += len(requests)
+        return result
+    return wrapper
+
+def peak_rss_kib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+PATCHES = {
+    "btb_lab.runner": [("_load_requests", lambda f: timed("load", f)),
+                       ("_run_one", lambda f: timed("simulate", f))],
+    "btb_lab.sim.backend": [("run_engine", engine_loop)],
+    "btb_lab.report.render": [("build_report", lambda f: timed("report", f)),
+                              ("analyze_run", lambda f: timed("analyse", f, minus="report"))],
+}
+
+class Patcher(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            for attr, wrap in PATCHES[name]:
+                if hasattr(module, attr):
+                    setattr(module, attr, wrap(getattr(module, attr)))
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, Patcher())
+from btb_lab.cli import main
+T1 = time.perf_counter()
+sys.argv = ["btb-lab", *argv]
+code = 0
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code or 0
+T2 = time.perf_counter()
+stages["import"] = T1 - T0
+with open(out_file, "w") as handle:
+    json.dump({"stages": stages, "loop": loop, "inside_s": T2 - T0, "code": code,
+               "peak_rss_kib": peak_rss_kib()}, handle)
+"""
+
+
+@dataclass
+class Run:
+    whole_s: float
+    rss_mib: float
+    stages: dict[str, float]
+    loop_rps: float | None
+    requests: int
+
+
+@dataclass
+class Series:
+    runs: list[Run] = field(default_factory=list)
+
+    def median(self, key: str) -> float | None:
+        values = [_value(r, key) for r in self.runs]
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+
+def _value(run: Run, key: str) -> float | None:
+    if key in ("whole_s", "rss_mib", "loop_rps"):
+        value: float | None = getattr(run, key)
+        return value
+    return run.stages.get(key)
+
+
+def _child(code: Path, script: str, args: list[str], work: Path) -> tuple[float, float, Any]:
+    """Run `script` with `code` first on the path: (wall seconds, peak RSS MiB, its JSON)."""
+    out = Path(tempfile.mkdtemp(prefix="run-", dir=work))
+    result = out / "bench.json"
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPATH"] = str(code)
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    argv = [
+        sys.executable,
+        "-c",
+        script,
+        str(result),
+        *[a.replace("{out}", str(out)) for a in args],
+    ]
+    errors = out / "stderr.txt"
+    with errors.open("wb") as stderr:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=stderr)
+        _, status, usage = os.wait4(proc.pid, 0)
+        whole = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0 or not result.is_file():
+        text = errors.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"{code}: {' '.join(args)} failed:\n{text}")
+    data = json.loads(result.read_text())
+    shutil.rmtree(out)
+    # the child's own high-water mark: wait4's can carry the parent's from before exec
+    return whole, data.get("peak_rss_kib", usage.ru_maxrss) / 1024, data
+
+
+def one_run(code: Path, hypothesis: Path, work: Path) -> Run:
+    args = ["run", str(hypothesis), "--out", "{out}/run", "--no-progress"]
+    whole, rss, data = _child(code, DRIVER, args, work)
+    stages = dict(data["stages"])
+    stages["other"] = data["inside_s"] - sum(stages.values())
+    stages["start+exit"] = whole - data["inside_s"]
+    loop = data["loop"]
+    return Run(
+        whole_s=whole,
+        rss_mib=rss,
+        stages=stages,
+        loop_rps=loop["requests"] / loop["s"] if loop["s"] > 0 else None,
+        requests=loop["requests"],
+    )
+
+
+LOAD_DRIVER = r"""
+import hashlib, json, sys, time
+from pathlib import Path
+start = time.perf_counter()
+from btb_lab.workload.formats import load_trace
+imported = time.perf_counter()
+requests = load_trace(Path(sys.argv[2]), "bursted-art", block_tokens=256).requests
+done = time.perf_counter()
+digest = hashlib.sha256()
+for r in requests:
+    digest.update(repr(r.block_hashes).encode())
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+json.dump({"import_s": imported - start, "load_s": done - imported, "rows": len(requests),
+           "peak_rss_kib": hwm,
+           "blocks": sum(len(r.block_hashes) for r in requests),
+           "distinct": len({h for r in requests for h in r.block_hashes}),
+           "ids_sha256": digest.hexdigest()}, open(sys.argv[1], "w"))
+"""
+
+
+VALIDATE_DRIVER = r"""
+import json, sys, time
+start = time.perf_counter()
+out = sys.argv[1]
+from btb_lab.cli import main
+sys.argv = ["btb-lab", "validate", sys.argv[2]]
+try:
+    main()
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("numpy", "pandas", "pyarrow", "matplotlib") if m in sys.modules)
+json.dump({"inside_s": time.perf_counter() - start, "heavy": heavy}, open(out, "w"))
+"""
+
+
+def validate_bench(codes: list[Path], runs: int, work: Path) -> None:
+    """`btb-lab validate hypotheses/h1.yaml` as a whole process (the checkout's own file)."""
+    print("\nvalidate hypotheses/h1.yaml (whole process, median of", runs * 3, "runs):")
+    for code in codes:
+        hypothesis = code / "hypotheses" / "h1.yaml"
+        if not hypothesis.is_file():
+            hypothesis = ROOT / "hypotheses" / "h1.yaml"
+        results = [_child(code, VALIDATE_DRIVER, [str(hypothesis)], work) for _ in range(runs * 3)]
+        whole = statistics.median(r[0] for r in results)
+        heavy = ", ".join(results[0][2]["heavy"]) or "none"
+        print(f"  {_label(code):<14} {whole:5.2f} s  (heavy libraries loaded: {heavy})")
+
+
+def load_bench(codes: list[Path], windows: int, runs: int, work: Path) -> None:
+    """Loading a Bursted-ART-shaped file (seed_bursty windows, 257 blocks of 256 tokens a
+    row): rows per minute, peak RSS, and whether every checkout gives the same ids."""
+    path = work / f"bursted_art_{windows}w.jsonl"
+    if not path.is_file():
+        _btb("trace", "generate", "seed_bursty", "--block-tokens", "256",
+             "-p", f"windows={windows}", "-o", str(path))  # fmt: skip
+        _drop_turns(path)
+    runs_by: dict[str, list[tuple[float, float, Any]]] = {_label(c): [] for c in codes}
+    for _ in range(runs):
+        for code in codes:
+            runs_by[_label(code)].append(_child(code, LOAD_DRIVER, [str(path)], work))
+    first = runs_by[_label(codes[0])][0][2]
+    print(f"\nload: {path.name}, {first['rows']:,} rows, {first['blocks']:,} block ids "
+          f"({first['distinct']:,} distinct), bursted-art, 256-token blocks")  # fmt: skip
+    base = None
+    for label, results in runs_by.items():
+        load_s = statistics.median(r[2]["load_s"] for r in results)
+        rss = statistics.median(r[1] for r in results)
+        same = all(r[2]["ids_sha256"] == first["ids_sha256"] for r in results)
+        rate = first["rows"] / load_s * 60
+        base = base or load_s
+        each = ", ".join(f"{r[2]['load_s']:.2f}" for r in results)
+        print(f"  {label:<14} load {load_s:7.2f} s  {rate:>12,.0f} rows/min  peak RSS "
+              f"{rss:7,.0f} MiB  {base / load_s:5.2f}×  ids {'same' if same else 'DIFFER'}  "
+              f"(runs {each})")  # fmt: skip
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def report(cases: list[Case], codes: list[Path], results: dict[str, dict[str, Series]]) -> None:
+    labels = [_label(c) for c in codes]
+    for case in cases:
+        print(f"\n{case.name}: {case.what}; {case.rows:,} rows × 2 variants")
+        header = f"  {'':<16}" + "".join(f"{label:>14}" for label in labels)
+        if len(codes) > 1:
+            header += "".join(f"{'×' + label:>12}" for label in labels[1:])
+        print(header)
+        rows = [("whole (s)", "whole_s", 2), ("in-loop req/s", "loop_rps", 0),
+                ("peak RSS (MiB)", "rss_mib", 0)]  # fmt: skip
+        rows += [(f"  {stage} (s)", stage, 2) for stage in STAGES]
+        for title, key, digits in rows:
+            medians = [results[case.name][label].median(key) for label in labels]
+            line = f"  {title:<16}" + "".join(f"{_fmt(m, digits):>14}" for m in medians)
+            for m in medians[1:]:
+                base = medians[0]
+                if m is None or base is None or m == 0:
+                    line += f"{'—':>12}"
+                elif key == "loop_rps":
+                    line += f"{m / base:>11.2f}×"
+                else:
+                    line += f"{base / m:>11.2f}×"  # how many times faster (or smaller)
+            print(line)
+        whole = ", ".join(
+            f"{label} " + "/".join(f"{r.whole_s:.2f}" for r in results[case.name][label].runs)
+            for label in labels
+        )
+        print(f"  runs (whole s): {whole}")
+
+
+def _label(code: Path) -> str:
+    return code.name or str(code)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--code", type=Path, action="append", default=[],
+                        help="A checkout to run (repeatable); default: this one.")  # fmt: skip
+    parser.add_argument("--runs", type=int, default=3, help="Timed runs per case and checkout.")
+    parser.add_argument("--cases", default=",".join(CASES), help="Comma-separated case names.")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "btb-bench")
+    parser.add_argument("--json", type=Path, default=None, help="Also write every run here.")
+    parser.add_argument("--traces", type=Path, default=TRACES,
+                        help="Folder of the shipped Mooncake traces.")  # fmt: skip
+    parser.add_argument("--load-windows", type=int, default=19,
+                        help="seed_bursty windows to load (19: 78,280 rows); 0: none.")  # fmt: skip
+    args = parser.parse_args()
+    codes = [c.resolve() for c in args.code] or [ROOT]
+    if len({_label(c) for c in codes}) != len(codes):
+        raise SystemExit("--code folders need distinct names")
+    args.work.mkdir(parents=True, exist_ok=True)
+    cases = [CASES[name] for name in args.cases.split(",") if name]
+    if not (args.traces / "mooncake_conversation.jsonl").is_file():
+        skipped = [c.name for c in cases if c.name in ("mooncake", "bursted_mixed")]
+        print(f"no {args.traces}: skipping {', '.join(skipped)}")
+        cases = [c for c in cases if c.name not in skipped]
+    hypotheses = {case.name: prepare(case, args.work, args.traces) for case in cases}
+    load = os.getloadavg()
+    print(
+        f"workloads bench: {len(cases)} cases × {len(codes)} checkouts × {args.runs} runs; load "
+        f"average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs"
+    )
+    for code in codes if cases else ():  # warm-up: bytecode cache, page cache
+        one_run(code, hypotheses[cases[-1].name], args.work)
+    results: dict[str, dict[str, Series]] = {
+        case.name: {_label(c): Series() for c in codes} for case in cases
+    }
+    for case in cases:
+        for _ in range(args.runs):
+            for code in codes:
+                results[case.name][_label(code)].runs.append(
+                    one_run(code, hypotheses[case.name], args.work)
+                )
+    report(cases, codes, results)
+    validate_bench(codes, args.runs, args.work)
+    if args.load_windows:
+        load_bench(codes, args.load_windows, args.runs, args.work)
+    load = os.getloadavg()
+    print(f"\nload average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            case: {label: [r.__dict__ for r in series.runs] for label, series in per.items()}
+            for case, per in results.items()
+        }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
