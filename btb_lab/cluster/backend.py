@@ -33,6 +33,7 @@ from btb_lab.cluster.telemetry import (
     PsutilSampler,
     Sampler,
     cache_hit_rates,
+    kv_sources,
     metrics_delta,
     nvml_available,
     scrape_all,
@@ -140,8 +141,8 @@ def _vllm_version() -> str | None:
     return None
 
 
-def _launch_key(cluster: ClusterSpec, model: str) -> str:
-    return json.dumps([cluster.model_dump(mode="json"), model], sort_keys=True)
+def _launch_key(cluster: ClusterSpec, model: str, block_tokens: int) -> str:
+    return json.dumps([cluster.model_dump(mode="json"), model, block_tokens], sort_keys=True)
 
 
 class ClusterBackend:
@@ -170,7 +171,7 @@ class ClusterBackend:
         if launch.endpoints:
             self.close()
             return plan_endpoints(cluster), "attached"
-        key = _launch_key(cluster, model)
+        key = _launch_key(cluster, model, ctx.hypothesis.workload.block_tokens)
         if self._launcher is not None and self._launcher.running:
             if not launch.fresh_restart and key == self._launch_key:
                 self._launcher.check_alive()
@@ -182,9 +183,10 @@ class ClusterBackend:
             stop_grace_s=launch.stop_grace_s,
         )
         self._launcher = launcher
-        self._endpoints = launcher.start(
-            plan_instances(cluster, model=model), label=f"{ctx.variant_name} r{ctx.repeat}"
+        specs = plan_instances(
+            cluster, model=model, block_tokens=ctx.hypothesis.workload.block_tokens
         )
+        self._endpoints = launcher.start(specs, label=f"{ctx.variant_name} r{ctx.repeat}")
         self._launch_key = key
         return self._endpoints, "launched"
 
@@ -240,12 +242,14 @@ class ClusterBackend:
         )
         sampler = self._sampler(ctx, endpoints, clock)
         periodic: list[tuple[float, dict[str, Any]]] = []
+        connector = hyp.cluster.kv_connector
         async with client:
             router = Router(
                 endpoints, policy, build_costs(hyp), client=client, clock=clock, model=model,
-                prompt_fn=prompt_function(ctx.seed, vocab), connector=hyp.cluster.kv_connector.type,
+                prompt_fn=prompt_function(ctx.seed, vocab), connector=connector,
                 cache_blocks=launch.router_cache_blocks, variant=ctx.variant_name,
                 repeat=ctx.repeat,
+                transfer_timeout_s=connector.transfer_timeout_s or launch.request_timeout_s,
             )  # fmt: skip
             await client.warm([ep.base_url for ep in endpoints])
             before = await scrape_all(client, endpoints)
@@ -280,6 +284,7 @@ class ClusterBackend:
             "router_view": "routed",
             "kv_visibility": "after_prefill",
             "request_timeout_s": launch.request_timeout_s,
+            "block_size": None if launch.endpoints else hyp.workload.block_tokens,
             "prompt_vocab_size": vocab,
             "driver_loop": event_loop_name(),
             "driver_lag_p50_ms": round(stats.lag_p50_ms, 3),
@@ -291,6 +296,7 @@ class ClusterBackend:
                 "after": after,
                 "delta": delta,
                 "cache_hit_rate": cache_hit_rates(delta),
+                "kv_sources": kv_sources(delta),
                 "periodic": periodic,
             },
             "driver": stats.as_dict(),

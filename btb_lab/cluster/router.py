@@ -1,22 +1,36 @@
 """The in-process router for real clusters: the same Policy objects as the simulator,
 fed a ClusterView built from the router's own bookkeeping, with each Decision carried
-out as HTTP traffic — plain routing, prefill offload over vLLM's Mooncake connector
-protocol, and BTB warming (a Mooncake transfer, or a prefix-only speculative prefill).
+out as HTTP traffic — plain routing, prefill offload and BTB warming as KV transfers
+through the cluster's connector (NIXL, ExampleConnector, Mooncake), or, with no
+connector, offloads on the decode instance alone and warming as a prefix-only
+speculative prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from btb_lab.cluster.connectors import (
+    Connector,
+    TransferIO,
+    TransferJob,
+    TransferMeter,
+    TransferResult,
+    build_connector,
+)
 from btb_lab.cluster.driver import ClientPool, RunClock, StreamResult, completion_payload
 from btb_lab.cluster.launcher import Endpoint
 from btb_lab.policies.base import CostModel, Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
+
+if TYPE_CHECKING:
+    from btb_lab.hypothesis.schema import KVConnector
 
 __all__ = ["BlockLRU", "Router", "RouterState", "RoutingStats"]
 
@@ -130,6 +144,8 @@ class RoutingStats:
     warms_failed: int = 0
     warms_skipped_duplicate: int = 0
     warm_s: list[float] = field(default_factory=list)
+    transfers_failed: int = 0
+    warms: list[dict[str, Any]] = field(default_factory=list)  # one entry per warm copy
 
     def as_dict(self) -> dict[str, Any]:
         warm = sorted(self.warm_s)
@@ -143,6 +159,8 @@ class RoutingStats:
             "warms_failed": self.warms_failed,
             "warms_skipped_duplicate": self.warms_skipped_duplicate,
             "warm_p50_s": warm[len(warm) // 2] if warm else None,
+            "transfers_failed": self.transfers_failed,
+            "warms": list(self.warms),
         }
 
 
@@ -163,10 +181,11 @@ class Router:
         clock: RunClock,
         model: str,
         prompt_fn: PromptFn,
-        connector: str = "none",
+        connector: str | KVConnector | Connector = "none",
         cache_blocks: int = 100_000,
         variant: str = "",
         repeat: int = 0,
+        transfer_timeout_s: float | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
         self.policy = policy
@@ -174,12 +193,17 @@ class Router:
         self.clock = clock
         self.model = model
         self.prompt_fn = prompt_fn
-        self.connector = connector
+        self.kv = _as_connector(connector)
+        self.connector = self.kv.name
         self.variant = variant
         self.repeat = repeat
         self.state = RouterState(self.endpoints, costs, clock, cache_blocks=cache_blocks)
         self.stats = RoutingStats()
-        self._engine_ids: dict[int, str] = {}
+        self.io = TransferIO(
+            client, clock, self.endpoints, model,
+            TransferMeter(client, self.endpoints, enabled=self.kv.spec.attribute_transfers),
+            timeout_s=transfer_timeout_s,
+        )  # fmt: skip
         self._warm_tasks: set[asyncio.Task[None]] = set()
         self._warming: set[tuple[int, int, int]] = set()
         self._ids = itertools.count()
@@ -187,17 +211,8 @@ class Router:
     def _url(self, instance: int) -> str:
         return self.endpoints[instance].base_url + "/v1/completions"
 
-    async def engine_id(self, instance: int) -> str:
-        """The prefiller's engine id from its Mooncake bootstrap server (`/query`)."""
-        if instance not in self._engine_ids:
-            boot = self.endpoints[instance].bootstrap_url
-            if boot is None:
-                raise RuntimeError(f"instance {self.endpoints[instance].name} has no bootstrap")
-            resp = await self.client.get(boot + "/query")
-            resp.raise_for_status()
-            data = resp.json()
-            self._engine_ids[instance] = str(data[min(data, key=int)]["engine_id"])
-        return self._engine_ids[instance]
+    def _tag(self, kind: str, request: Request) -> str:
+        return f"{kind}-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
 
     # one request ------------------------------------------------------------------------
     async def dispatch(self, request: Request, target_s: float) -> RequestRecord:
@@ -212,7 +227,7 @@ class Router:
         offload = (
             decision.prefill_instance is not None and decision.prefill_instance != decision.instance
         )
-        if offload and self.connector == "mooncake":
+        if offload and self.kv.moves_kv:
             record = await self._offload(request, decision, prompt, target_s)
         else:
             if offload:
@@ -240,52 +255,39 @@ class Router:
     async def _offload(
         self, request: Request, decision: Decision, prompt: list[int], target_s: float
     ) -> RequestRecord:
-        """vLLM's Mooncake P/D protocol: the router names a transfer id; the prefiller
-        runs the prompt with `do_remote_decode` and max_tokens 1 while the decoder, told
-        the prefiller's bootstrap address and engine id, pulls the KV and decodes."""
+        """The prefill instance computes the prompt, its KV moves to the decode instance
+        through the connector, and the decode instance generates the output."""
         assert decision.prefill_instance is not None
         p, d = decision.prefill_instance, decision.instance
         self.stats.offloads += 1
-        transfer_id = f"xfer-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
         blocks = request.block_hashes
         self.state.begin(p, request.input_tokens, blocks)
         self.state.begin(d, request.input_tokens + request.output_tokens, blocks)
+        job = TransferJob(
+            producer=p, consumer=d, prompt=prompt, max_tokens=request.output_tokens,
+            cold=decision.prefill_cold, tag=self._tag("xfer", request),
+        )  # fmt: skip
         try:
-            try:
-                engine_id = await self.engine_id(p)
-            except Exception as exc:  # bootstrap unreachable: a failed request, not a crash
-                res = StreamResult(sent_s=self.clock.now(), error=f"Bootstrap:{type(exc).__name__}")
-                return self._record(request, decision, res, target_s)
-            produce, consume = self._mooncake_params(p, engine_id, transfer_id)
-            prefill_body = completion_payload(
-                self.model, prompt, 1, stream=False, kv_transfer_params=produce
-            )
-            if decision.prefill_cold:
-                # A prefill service without the session's cache: a unique salt makes vLLM's
-                # prefix cache miss, so the prefill is computed cold as the policy modeled.
-                prefill_body["cache_salt"] = f"cold-{transfer_id}"
-            decode_body = completion_payload(
-                self.model, prompt, request.output_tokens, kv_transfer_params=consume
-            )
-            prefill_task = asyncio.create_task(
-                self.client.stream_completion(self._url(p), prefill_body, self.clock)
-            )
-            decode = await self.client.stream_completion(self._url(d), decode_body, self.clock)
-            prefill = await prefill_task
+            result = await self.kv.transfer(self.io, job)
         finally:
             self.state.end(p, request.input_tokens)
             self.state.end(d, request.input_tokens + request.output_tokens)
-        if prefill.ok:
+        prefill, decode = result.prefill, result.consume
+        if prefill is not None and prefill.ok:
             self.state.prefilled(p, blocks)
         if decode.first_token_s is not None:
             self.state.prefilled(d, blocks)
-        if not prefill.ok and decode.ok:
-            decode.ok, decode.error = False, f"Prefill:{prefill.error}"
+        if not result.ok:
+            self.stats.transfers_failed += 1
         record = self._record(request, decision, decode, target_s)
-        if prefill.finish_s is not None:
-            record.prefill_s = prefill.finish_s - prefill.sent_s
-            if decode.first_token_s is not None:
-                record.kv_transfer_s = max(0.0, decode.first_token_s - prefill.finish_s)
+        record.extra.update(result.record_extra())
+        if prefill is not None:
+            # the offloaded request's cache hit is the prefill instance's, as simulated
+            record.cached_tokens = int(prefill.cached_tokens or 0)
+            if prefill.finish_s is not None:
+                record.prefill_s = prefill.finish_s - prefill.sent_s
+                if decode.first_token_s is not None:
+                    record.kv_transfer_s = max(0.0, decode.first_token_s - prefill.finish_s)
         return record
 
     def _record(
@@ -321,7 +323,7 @@ class Router:
                 if prefill is not None and prefill != decision.instance
                 else None
             ),
-            extra={"chunks": res.chunks, "retried": int(res.retried)},
+            extra=_result_extra(res),
         )
 
     # warming ----------------------------------------------------------------------------
@@ -354,70 +356,70 @@ class Router:
         target = action.target
         start = self.clock.now()
         self.state.begin(target, len(tokens), ())
+        transfer: TransferResult | None = None
         try:
-            use_rdma = (
+            copy = (
                 action.mode == "rdma"
-                and self.connector == "mooncake"
+                and self.kv.moves_kv
                 and action.source is not None
                 and action.source != target
             )
-            if use_rdma:
+            if copy:  # copy the prefix's KV from the holder through the connector
                 assert action.source is not None
-                ok = await self._warm_transfer(action.source, target, tokens, request)
+                job = TransferJob(
+                    producer=action.source, consumer=target, prompt=tokens, max_tokens=1,
+                    stream=False, tag=self._tag("warm", request),
+                )  # fmt: skip
+                transfer = await self.kv.transfer(self.io, job)
+                res = transfer.consume
             else:  # speculative prefill: compute the prefix on the target itself
                 body = completion_payload(self.model, tokens, 1, stream=False)
                 res = await self.client.stream_completion(self._url(target), body, self.clock)
-                ok = res.ok
         finally:
             self.state.end(target, len(tokens))
             self._warming.discard(key)
-        if ok:
+        entry: dict[str, Any] = {
+            "request_id": request.request_id,
+            "source": None if action.source is None else self.endpoints[action.source].name,
+            "target": self.endpoints[target].name,
+            "prefix_tokens": len(tokens),
+            "mode": "transfer" if transfer is not None else "prefill",
+            "ok": res.ok,
+            "error": res.error,
+            "start_s": round(start, 6),
+            "end_s": round(self.clock.now(), 6),
+        }
+        if transfer is not None:
+            entry.update(transfer.record_extra())
+        self.stats.warms.append(entry)
+        if res.ok:
             self.stats.warms_ok += 1
             self.stats.warm_s.append(self.clock.now() - start)
             self.state.prefilled(target, blocks)
         else:
             self.stats.warms_failed += 1
 
-    def _mooncake_params(
-        self, producer: int, engine_id: str, transfer_id: str
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`kv_transfer_params` of one Mooncake transfer: the producer's (prefill for remote
-        decode) and the consumer's (pull from the producer's bootstrap server)."""
-        produce = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-        consume = {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "remote_bootstrap_addr": self.endpoints[producer].bootstrap_url,
-            "remote_engine_id": engine_id,
-            "transfer_id": transfer_id,
-        }
-        return produce, consume
-
-    async def _warm_transfer(
-        self, source: int, target: int, tokens: list[int], request: Request
-    ) -> bool:
-        """Copy the prefix's KV source → target with the connector: the source prefills
-        the prefix for remote decode (cache hit there), the target pulls it."""
-        try:
-            engine_id = await self.engine_id(source)
-        except Exception:
-            return False
-        transfer_id = f"warm-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
-        produce, consume = self._mooncake_params(source, engine_id, transfer_id)
-        src_body = completion_payload(
-            self.model, tokens, 1, stream=False, kv_transfer_params=produce
-        )
-        dst_body = completion_payload(
-            self.model, tokens, 1, stream=False, kv_transfer_params=consume
-        )
-        src_task = asyncio.create_task(
-            self.client.stream_completion(self._url(source), src_body, self.clock)
-        )
-        dst = await self.client.stream_completion(self._url(target), dst_body, self.clock)
-        src = await src_task
-        return src.ok and dst.ok
-
     async def drain(self) -> None:
         """Wait for warm transfers still in flight (they belong to this run)."""
         while self._warm_tasks:
             await asyncio.wait(set(self._warm_tasks))
+
+
+def _as_connector(connector: str | KVConnector | Connector) -> Connector:
+    if isinstance(connector, Connector):
+        return connector
+    from btb_lab.hypothesis.schema import KVConnector
+
+    spec = KVConnector(type=connector) if isinstance(connector, str) else connector
+    return build_connector(spec)
+
+
+def _result_extra(res: StreamResult) -> dict[str, float | int | str]:
+    """Per-request facts kept in the record's `extra`: chunk count, retry, a digest of the
+    generated text (equal digests = equal greedy outputs), the server's error message."""
+    out: dict[str, float | int | str] = {"chunks": res.chunks, "retried": int(res.retried)}
+    if res.ok:
+        out["output_digest"] = hashlib.blake2b(res.text.encode(), digest_size=8).hexdigest()
+    elif res.detail:
+        out["error_detail"] = res.detail
+    return out
