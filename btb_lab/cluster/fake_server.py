@@ -49,7 +49,7 @@ class FakeConfig:
     stall_s: float = 0.0  # sleep before the first token (ReadTimeout tests)
     fail_status: int | None = None  # answer every completion with this status
     kv_wait_s: float = 5.0  # how long a decode waits for its prefill to finish
-    kv_protocol: str = "mooncake"  # or "nixl": which connector exchange the fake speaks
+    kv_protocol: str = "mooncake"  # "nixl", or "none" (no connector: params are ignored)
     kv_bytes_per_token: int = 1024  # NIXL bytes counted per transferred token
     kv_fail: str | None = None  # "http": a KV fetch answers 500; "stream": an error event
 
@@ -149,6 +149,8 @@ class FakeVLLM:
             return
         max_tokens = int(body.get("max_tokens", 16))
         params = body.get("kv_transfer_params") or {}
+        if cfg.kv_protocol == "none":  # a server without a connector ignores the params
+            params = {}
         external = 0
         nixl = cfg.kv_protocol == "nixl"
         if nixl and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
@@ -281,6 +283,8 @@ class FakeVLLM:
         if self.config.kv_fail == "http":
             await _respond_json(send, 500, {"error": {"message": "KV load failed (injected)"}})
             return
+        if self.config.stall_s > 0:  # a fetch that never finishes in time
+            await asyncio.sleep(self.config.stall_s)
         ok, detail = await self._nixl_pull(params, prompt)
         if not ok:
             await _respond_json(send, *self._reject(detail))

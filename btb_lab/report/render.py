@@ -149,7 +149,8 @@ def _topology(hyp: Hypothesis) -> str:
     conn = hyp.cluster.kv_connector
     text = " + ".join(groups)
     if conn.type != "none":
-        text += f", KV connector {conn.type} ({conn.role})"
+        roles = "".join(f", {r}: {k}" for r, k in sorted(conn.roles.items()))
+        text += f", KV connector {conn.type} ({conn.role}{roles})"
     return text
 
 

@@ -248,3 +248,64 @@ def test_connector_objects_follow_the_spec() -> None:
     assert nixl.kv_role("PS") == "kv_producer"
     assert nixl.kv_role("C") == "kv_both"
     assert not build_connector(KVConnector()).moves_kv
+
+
+# -- what the engines report: vLLM's by-source and NIXL metrics ----------------------------
+
+METRICS = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_metrics_nixl_consumer.txt"
+
+
+def test_parse_a_real_nixl_consumers_metrics() -> None:
+    """A /metrics capture of a vLLM 0.32 CPU decode instance after 13 NIXL reads."""
+    from btb_lab.cluster.telemetry import kv_sources, parse_vllm_metrics
+
+    m = parse_vllm_metrics(METRICS.read_text())
+    assert m["prompt_tokens_local_compute"] == 5903
+    assert m["prompt_tokens_local_cache_hit"] == 13760
+    assert m["prompt_tokens_external_kv_transfer"] == 7185
+    assert m["prompt_tokens_cached_p2p"] == 7185
+    assert m["prompt_tokens_cached_device"] == 13760
+    assert m["external_prefix_cache_hits"] == 7185
+    assert m["nixl_xfers"] == 13
+    assert m["nixl_bytes"] == 7798784
+    assert m["nixl_xfer_s"] == pytest.approx(0.093968)
+    assert m["nixl_failed_transfers"] == 0
+    (kv,) = kv_sources({"C0": m}).values()
+    assert kv["prompt_tokens"] == 26848
+    assert kv["local_hit_tokens"] + kv["external_hit_tokens"] + kv["computed_tokens"] == 26848
+    assert (kv["external_hit_tokens"], kv["kv_transfers"]) == (7185, 13)
+
+
+def test_kv_sources_fall_back_to_the_prefix_cache_counters() -> None:
+    from btb_lab.cluster.telemetry import kv_sources
+
+    delta = {"prompt_tokens": 100.0, "prefix_cache_hits": 30.0, "external_prefix_cache_hits": 50.0}
+    (kv,) = kv_sources({"E0": delta}).values()
+    assert kv["local_hit_tokens"] == 30
+    assert kv["external_hit_tokens"] == 50
+    assert kv["computed_tokens"] == 20
+
+
+def test_report_table_shows_each_instances_kv_by_source() -> None:
+    from btb_lab.report.render import kv_source_rows, render_template
+
+    kv = {"prompt_tokens": 100.0, "local_hit_tokens": 30.0, "external_hit_tokens": 50.0,
+          "computed_tokens": 20.0, "kv_bytes": 2.0 * 2**20, "kv_transfer_s": 0.25,
+          "kv_transfers": 3.0, "kv_failed_transfers": 0.0}  # fmt: skip
+    none = dict.fromkeys(kv, 0.0)
+    runs = [
+        {
+            "variant": "ps",
+            "repeat": 0,
+            "extra": {"metrics": {"kv_sources": {"C1": kv, "PS0": none}}},
+        },
+        {"variant": "sim-like", "repeat": 0, "extra": {}},
+    ]
+    rows = kv_source_rows(runs)
+    assert [(r["run"], r["instance"]) for r in rows] == [
+        ("ps r1", "C1"), ("ps r1", "PS0"), ("ps r1", "total"),
+    ]  # fmt: skip
+    text = render_template("_kv_sources.md.j2", {"kv_source_rows": rows})
+    assert "| ps r1 | C1 | 100 | 30 | 50 | 20 | 2.00 | 0.250 | 3 |" in text
+    assert "| ps r1 | total |  |  |  |  | 2.00 | 0.250 | 3 |" in text
+    assert render_template("_kv_sources.md.j2", {"kv_source_rows": []}) == ""
