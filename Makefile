@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DEMO   ?= hypotheses/btb.yaml
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-vllm test-ray check fmt lint typecheck bench bench-driver log clean
+.PHONY: help install demo test test-vllm test-ray check fmt lint typecheck bench bench-driver log golden clean
 
 help: ## List targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
@@ -50,6 +50,9 @@ bench: $(STAMP) ## Simulator speed and memory on a fixed seeded workload
 
 bench-driver: $(STAMP) ## Load-driver sustained rate and send lag against a local endpoint
 	$(BTB) router bench
+
+golden: $(STAMP) ## Regenerate tests/golden/headlines.json after a deliberate change of the numbers
+	BTB_UPDATE_GOLDEN=1 $(PY) -m pytest -q tests/golden
 
 log: $(STAMP) ## Run every shipped hypothesis on the simulator and regenerate hypotheses/LOG.md
 	bash scripts/make_log.sh

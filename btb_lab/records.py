@@ -1,18 +1,30 @@
 """Data contracts between pipeline stages: Request (workload out), RequestRecord (backend
-out) and UtilSample (telemetry). Plain slotted dataclasses: the simulator creates
-millions of them, so they stay cheap; validation happens at the edges.
+out), UtilSample (telemetry) and EventRecord (what the router, the engine and the
+policy did over time: bursts detected, warm copies, KV transfers, queue and batch
+sizes). Plain slotted dataclasses: the simulator creates millions of them, so they stay
+cheap; validation happens at the edges.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
+    "DERIVED_COLUMNS",
+    "EVENT_COLUMNS",
+    "EVENT_KINDS",
     "RECORD_COLUMNS",
+    "STORED_COLUMNS",
     "UTIL_COLUMNS",
+    "EventRecord",
     "Request",
     "RequestRecord",
     "UtilSample",
+    "derive_timings",
 ]
 
 
@@ -38,7 +50,8 @@ class Request:
 @dataclass(slots=True)
 class RequestRecord:
     """One row per request per variant per repeat. Backends stamp raw times only;
-    ttft_s / tpot_s / e2e_s are derived afterwards by `btb_lab.analysis.metrics`."""
+    ttft_s / tpot_s / e2e_s are derived from them by `derive_timings` when the records
+    are stored (they are never set by a backend)."""
 
     variant: str
     repeat: int
@@ -67,9 +80,6 @@ class RequestRecord:
     kv_transfer_s: float = 0.0  # moving KV between instances (offload pull / warm wait)
     prefill_s: float = 0.0  # computing the uncached prompt tokens
     decode_s: float = 0.0
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    e2e_s: float | None = None
     extra: dict[str, float | int | str] = field(default_factory=dict)
 
 
@@ -85,14 +95,80 @@ class UtilSample:
     source: str = "sim"  # sim | nvml | psutil
 
 
+@dataclass(slots=True)
+class EventRecord:
+    """One thing that happened at a time on the run's clock, the same record in both worlds
+    (`events.parquet`, one row per event per variant per repeat). Kinds:
+
+    - `waiting` / `running`: `instance`'s queue depth / running batch became `value` at
+      `time_s` (a step function: it holds until the next event of that kind there);
+    - `burst_detected`: the policy marked a prefix active (`label` its key, `value` the
+      arrivals that fired it, `request_id` the one that did);
+    - `warm_copy`: a prefix copy to `instance` from `peer` (`label` rdma / prefill), started
+      at `time_s`, resident at `end_s` (NaN when it never landed), `value` its tokens;
+    - `kv_transfer`: the KV of an offloaded request (`request_id`) moving from its prefill
+      instance `peer` to its decode instance `instance`, `time_s` → `end_s`, `value` tokens.
+
+    `origin` says who recorded it: `engine` and `router` watch the work itself, `policy`
+    its decisions, `vllm_metrics` periodic /metrics scrapes, `records` a reconstruction
+    from request records' time stamps."""
+
+    time_s: float
+    kind: str
+    instance: str = ""
+    peer: str = ""
+    request_id: str = ""
+    value: float = 0.0
+    end_s: float | None = None
+    label: str = ""
+    origin: str = "engine"
+
+
+EVENT_KINDS: tuple[str, ...] = ("waiting", "running", "burst_detected", "warm_copy",
+                                "kv_transfer")  # fmt: skip
+EVENT_COLUMNS: tuple[str, ...] = (
+    "variant", "repeat", "time_s", "kind", "instance", "peer", "request_id", "value",
+    "end_s", "label", "origin",
+)  # fmt: skip
+
+
+# What a backend stamps (one JSONL row per record in the run's parts/).
 RECORD_COLUMNS: tuple[str, ...] = (
     "variant", "repeat", "request_id", "trace_id", "source", "session_id", "class",
-    "instance", "route", "arrival_s", "sent_s", "first_token_s", "finish_s", "ttft_s",
-    "tpot_s", "e2e_s", "input_tokens", "output_tokens", "cached_tokens", "ok", "error",
+    "instance", "route", "arrival_s", "sent_s", "first_token_s", "finish_s",
+    "input_tokens", "output_tokens", "cached_tokens", "ok", "error",
     "turn", "group_id", "prefill_instance", "cache_tier", "queue_s", "kv_load_s",
     "kv_transfer_s", "prefill_s", "decode_s",
 )  # fmt: skip
+DERIVED_COLUMNS: tuple[str, ...] = ("ttft_s", "tpot_s", "e2e_s")
+# The columns of `requests.parquet`: the raw stamps plus the latencies derived from them.
+STORED_COLUMNS: tuple[str, ...] = (
+    *RECORD_COLUMNS[: RECORD_COLUMNS.index("finish_s") + 1],
+    *DERIVED_COLUMNS,
+    *RECORD_COLUMNS[RECORD_COLUMNS.index("finish_s") + 1 :],
+)
 
 UTIL_COLUMNS: tuple[str, ...] = (
     "variant", "repeat", "time_s", "instance", "device", "utilization", "memory_bytes", "source",
 )  # fmt: skip
+
+
+def derive_timings(frame: pd.DataFrame) -> pd.DataFrame:
+    """A copy of `frame` (RECORD_COLUMNS) with ttft_s, e2e_s and tpot_s computed from the raw
+    stamps, as vLLM's benchmark counts them: TTFT = first token − send, E2E = finish −
+    send, TPOT = (E2E − TTFT) / (output tokens − 1) for outputs longer than one token.
+    Failed requests get NaN. The one formula both `requests.parquet` and the analysis use."""
+    import pandas as pd
+
+    out = frame.copy()
+    sent = out["sent_s"].astype(float)
+    first = pd.to_numeric(out["first_token_s"], errors="coerce").astype(float)
+    finish = pd.to_numeric(out["finish_s"], errors="coerce").astype(float)
+    ok = out["ok"].astype(bool)
+    ttft = (first - sent).where(ok)
+    e2e = (finish - sent).where(ok)
+    tokens = out["output_tokens"].astype(float)
+    out["ttft_s"] = ttft
+    out["e2e_s"] = e2e
+    out["tpot_s"] = ((e2e - ttft) / (tokens - 1)).where(ok & (tokens > 1))
+    return out

@@ -11,34 +11,45 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import importlib
 import importlib.metadata
+import math
 import platform
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from btb_lab import __version__
-from btb_lab.backends import BACKENDS, Backend, RunContext
+from btb_lab.backends import Backend, RunContext
+from btb_lab.config.hypothesis import Hypothesis
+from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import UserError
-from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis, resolve_variant
-from btb_lab.hypothesis.schema import Hypothesis
+from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis
+from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.records import Request
+from btb_lab.registry import Registry
+from btb_lab.workload.loader import load_requests
+
+if TYPE_CHECKING:
+    from btb_lab.analysis.models import Summary, Verdict
 from btb_lab.results import (
     JsonlRecordSink,
+    Manifest,
+    RunEntry,
     finalize_parquet,
     new_run_dir,
     new_run_id,
-    write_manifest,
+    write_events_part,
     write_utilization_part,
 )
 
 __all__ = [
+    "BACKENDS",
     "RunInterrupted",
     "RunOptions",
     "RunOutcome",
@@ -48,6 +59,31 @@ __all__ = [
     "plan_run",
     "run_hypothesis",
 ]
+
+
+def _sim() -> Backend:
+    from btb_lab.sim.backend import SimBackend
+
+    return SimBackend()
+
+
+def _cluster() -> Backend:
+    from btb_lab.cluster.backend import ClusterBackend
+
+    return ClusterBackend()
+
+
+# Backends by name. Each factory imports its backend on first use (the cluster backend
+# pulls in httpx and the launcher), and every import stays visible to mypy.
+BACKENDS: Registry[Callable[[], Backend]] = Registry("backend")
+BACKENDS.add("sim", _sim)
+BACKENDS.add("cluster", _cluster)
+
+
+def get_backend(name: str) -> Backend:
+    """A new backend by name (an unknown name is a UserError listing the known ones)."""
+    return BACKENDS.get(name)()
+
 
 _KEY_PACKAGES = ("numpy", "pandas", "pyarrow", "pydantic", "matplotlib", "vllm", "mooncake")
 
@@ -72,8 +108,8 @@ class RunOptions:
 @dataclass
 class RunOutcome:
     run_dir: Path
-    verdict: Any  # btb_lab.analysis.verdict.Verdict (None for a dry run)
-    summary: dict[str, Any]
+    verdict: Verdict | None  # None for a dry run
+    summary: Summary | None  # None for a dry run
     plan: RunPlan | None = None
 
 
@@ -100,14 +136,31 @@ class RunPlan:
                 f"workload: {self.requests_per_run if self.requests_per_run is not None else '?'} "
                 f"requests per run, time_scale {h.workload.time_scale:g}"
             ),
-            f"repeats: {self.repeats}, master seed {self.seed}",
+            f"repeats: {self.repeats_text()}, master seed {self.seed}",
             f"variants ({len(self.variants)}; baseline {h.baseline}):",
         ]
         for name in self.variants:
             v = h.variants[name]
             lines.append(f"  {name}: {v.router.policy} {v.router.params or ''}".rstrip())
-        lines.append(f"runs: {len(self.variants) * self.repeats} (variants × repeats)")
+        auto = self.hypothesis.auto_repeats
+        runs = len(self.variants) * self.repeats
+        if auto is not None:
+            lines.append(f"runs: {runs} to {len(self.variants) * auto.max} (variants × repeats)")
+        else:
+            lines.append(f"runs: {runs} (variants × repeats)")
         return lines
+
+    def repeats_text(self) -> str:
+        auto = self.hypothesis.auto_repeats
+        if auto is None:
+            return str(self.repeats)
+        target = (
+            auto.half_width if auto.half_width is not None else self.hypothesis.verdict.min_effect
+        )
+        return (
+            f"auto ({auto.min} to {auto.max}, until every primary interval's half-width is "
+            f"at most {target * 100:g} points)"
+        )
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -124,23 +177,11 @@ def derive_seed(master: int, *parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def get_backend(name: str) -> Backend:
-    """Import `btb_lab.<name>.backend` (which registers it) and build the backend."""
-    if name not in BACKENDS:
-        try:
-            importlib.import_module(f"btb_lab.{name}.backend")
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("btb_lab"):
-                raise UserError(f"backend {name!r} is not available in this installation") \
-                    from None  # fmt: skip
-            raise
-    return BACKENDS.get(name)()
-
-
 def _overrides(options: RunOptions) -> dict[str, Any]:
     merged = dict(options.overrides)
     if options.repeats is not None:
         merged["repeats"] = options.repeats
+        merged["auto_repeats"] = None  # an explicit count replaces `repeats: auto`
     if options.requests is not None:
         merged["workload.requests"] = options.requests
     if options.time_scale is not None:
@@ -176,13 +217,7 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
 
 
 def _load_requests(loaded: LoadedHypothesis, seed: int) -> list[Request]:
-    try:
-        workload = importlib.import_module("btb_lab.workload")
-        load = workload.load_requests
-    except (ModuleNotFoundError, AttributeError):
-        raise UserError("workload loading is not available in this installation") from None
-    requests: list[Request] = load(loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed)
-    return requests
+    return load_requests(loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed)
 
 
 def _versions() -> dict[str, str]:
@@ -269,45 +304,54 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         if plan.requests_per_run is None:
             seed = derive_seed(plan.seed, "workload", 0)
             plan.requests_per_run = len(_load_requests(plan.loaded, seed))
-        return RunOutcome(run_dir=Path(), verdict=None, summary={}, plan=plan)
+        return RunOutcome(run_dir=Path(), verdict=None, summary=None, plan=plan)
     hyp, loaded = plan.hypothesis, plan.loaded
+    # Every variant's resolved blocks and cost model, built once before anything runs (a
+    # topology that does not fit fails here, not after the first variant ran).
+    worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
     run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
     run_id = run_dir.name if options.out is None else new_run_id()
-    manifest: dict[str, Any] = {
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "hypothesis_id": hyp.id,
-        "hypothesis_file": str(loaded.path),
-        "hypothesis": hyp.model_dump(mode="json", by_alias=True),
-        "cli": {"argv": list(sys.argv), "options": _options_json(options)},
-        "backend": plan.backend,
-        "variants": plan.variants,
-        "repeats": plan.repeats,
-        "master_seed": plan.seed,
-        "requests_per_run": plan.requests_per_run,
-        "runs_planned": len(plan.variants) * plan.repeats,
-        "runs": [],
-        "fidelity": {},
-        "telemetry_source": None,
-        "versions": _versions(),
-        "git": _git_commit(loaded.base_dir),
-        "host": {"hostname": socket.gethostname(), "platform": platform.platform()},
-        "started": _now(),
-        "finished": None,
-        "complete": False,
-    }
-    write_manifest(run_dir, manifest)
+    manifest = Manifest(
+        run_id=run_id,
+        run_dir=str(run_dir),
+        hypothesis_id=hyp.id,
+        hypothesis_file=str(loaded.path),
+        hypothesis=hyp.model_dump(mode="json", by_alias=True),
+        aliases=hyp.aliases,
+        cli={"argv": list(sys.argv), "options": _options_json(options)},
+        backend=plan.backend,
+        variants=plan.variants,
+        repeats=plan.repeats,
+        master_seed=plan.seed,
+        requests_per_run=plan.requests_per_run,
+        runs_planned=len(plan.variants) * plan.repeats,
+        versions=_versions(),
+        git=_git_commit(loaded.base_dir),
+        host={"hostname": socket.gethostname(), "platform": platform.platform()},
+        started=_now(),
+    )
+    manifest.save(run_dir)
     interrupted = False
     try:
         with _Progress(options.progress) as progress:
-            for repeat in range(plan.repeats):
+            repeat = 0
+            planned = plan.repeats
+            while True:
                 workload_seed = derive_seed(plan.seed, "workload", repeat)
                 requests = _load_requests(loaded, workload_seed)
-                manifest["requests_per_run"] = len(requests)
+                manifest.requests_per_run = len(requests)
                 for name in plan.variants:
-                    _run_one(backend, hyp, name, repeat, requests, run_dir, manifest,
-                             progress, workload_seed)  # fmt: skip
+                    _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
+                             manifest, progress, workload_seed)  # fmt: skip
+                repeat += 1
+                if repeat >= planned:
+                    planned = _repeats_needed(hyp, plan.variants, run_dir, manifest, repeat)
+                    if repeat >= planned:
+                        break
+                    manifest.repeats = planned  # `repeats: auto` goes past its minimum
+                    manifest.runs_planned = len(plan.variants) * planned
+                    manifest.save(run_dir)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -315,13 +359,16 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         close = getattr(backend, "close", None)
         if callable(close):
             close()
-        manifest["finished"] = _now()
-        manifest["complete"] = not interrupted and len(manifest["runs"]) == manifest[
-            "runs_planned"
-        ] and all(r["status"] != "interrupted" for r in manifest["runs"])  # fmt: skip
-        manifest["interrupted"] = interrupted
-        write_manifest(run_dir, manifest)
+        # Records first, then the manifest that says they are complete.
         finalize_parquet(run_dir, plan.variants)
+        manifest.finished = _now()
+        manifest.interrupted = interrupted
+        manifest.complete = (
+            not interrupted
+            and len(manifest.runs) == manifest.runs_planned
+            and all(r.status != "interrupted" for r in manifest.runs)
+        )
+        manifest.save(run_dir)
 
     from btb_lab.report.render import build_report
 
@@ -331,6 +378,41 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)
 
 
+def _repeats_needed(
+    hyp: Hypothesis, variants: list[str], run_dir: Path, manifest: Manifest, done: int
+) -> int:
+    """How many repeats the run needs, judged after `done` of them: `repeats`, or with
+    `repeats: auto` as many as make every primary interval's half-width at most the
+    target — `done` when they already do, else the widest interval's projection (half-
+    widths shrink as 1/√repeats), at least one more and at most the cap. Stopping on the
+    interval's width, not on where it lies, keeps the rule from steering the verdict; a
+    failed run stops at once."""
+    auto = hyp.auto_repeats
+    if auto is None:
+        return hyp.repeats
+    if done < auto.min:
+        return auto.min
+    if done >= auto.max or manifest.failed_variants:
+        return done
+    from btb_lab.analysis.summary import measured_frames
+    from btb_lab.analysis.verdict import evaluate_verdict
+    from btb_lab.results import read_records, read_utilization
+
+    records, util, _ = measured_frames(
+        hyp, read_records(run_dir, variants), read_utilization(run_dir, variants)
+    )
+    verdict = evaluate_verdict(records, util, hyp.verdict, baseline=hyp.baseline,
+                               variants=variants, seed=hyp.seed)  # fmt: skip
+    target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
+    widths = [vv.primary.half_width for vv in verdict.variants.values() if vv.primary is not None]
+    if all(w is not None and w <= target + 1e-12 for w in widths):
+        return done
+    known = [w for w in widths if w is not None]
+    if len(known) < len(widths) or not known:
+        return done + 1
+    return min(auto.max, max(done + 1, math.ceil(done * (max(known) / target) ** 2)))
+
+
 def _options_json(options: RunOptions) -> dict[str, Any]:
     data = asdict(options)
     for key in ("out", "results_root"):
@@ -338,52 +420,81 @@ def _options_json(options: RunOptions) -> dict[str, Any]:
     return data
 
 
+def _variant_world(
+    hyp: Hypothesis, name: str, base_dir: Path
+) -> tuple[Hypothesis, RooflineCostModel]:
+    """The hypothesis as variant `name` sees it, and its cost model."""
+    resolved = resolve_variant(hyp, name)
+    return resolved, build_cost_model(resolved, base_dir)
+
+
+ERROR_FILE = "error-{variant}-r{repeat}.txt"
+
+
 def _run_one(
     backend: Backend,
     hyp: Hypothesis,
+    world: tuple[Hypothesis, RooflineCostModel],
     name: str,
     repeat: int,
     requests: list[Request],
     run_dir: Path,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     progress: _Progress,
     workload_seed: int,
 ) -> None:
     seed = derive_seed(hyp.seed, "variant", repeat, name)
-    entry: dict[str, Any] = {
-        "variant": name, "repeat": repeat, "seed": seed, "workload_seed": workload_seed,
-        "requests": len(requests), "status": "running", "started": _now(),
-    }  # fmt: skip
-    manifest["runs"].append(entry)
-    write_manifest(run_dir, manifest)
+    entry = RunEntry(
+        variant=name, repeat=repeat, seed=seed, workload_seed=workload_seed,
+        requests=len(requests), status="running", started=_now(),
+    )  # fmt: skip
+    manifest.runs.append(entry)
+    manifest.save(run_dir)
     sink = JsonlRecordSink(run_dir, name, repeat)
-    resolved = resolve_variant(hyp, name)
+    resolved, costs = world
     ctx = RunContext(
         hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
-        seed=seed, run_dir=run_dir, sink=sink,
-        progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
+        seed=seed, run_dir=run_dir, sink=sink, costs=costs,
+        progress=progress.task(
+            f"{name} r{repeat + 1}/"
+            + (f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)),
+            len(requests),
+        ),
     )  # fmt: skip
     try:
         result = backend.run_variant(ctx, list(requests))
     except KeyboardInterrupt:
-        entry["status"] = "interrupted"
+        entry.status = "interrupted"
         raise
     except UserError:
-        entry["status"] = "failed"
+        entry.status = "failed"
         raise
-    except Exception as exc:  # a crashed run is recorded; the verdict says INCONCLUSIVE
-        entry["status"] = "failed"
-        entry["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"run {name} repeat {repeat} failed: {entry['error']}", file=sys.stderr)
+    except Exception as exc:  # a crashed run is recorded with its traceback: INCONCLUSIVE
+        entry.status = "failed"
+        entry.error = f"{type(exc).__name__}: {exc}"
+        entry.error_file = _safe_name(ERROR_FILE.format(variant=name, repeat=repeat))
+        (run_dir / entry.error_file).write_text(traceback.format_exc(), encoding="utf-8")
+        print(
+            f"run {name} repeat {repeat} failed: {entry.error} "
+            f"(traceback: {run_dir / entry.error_file})",
+            file=sys.stderr,
+        )
         return
     finally:
         sink.close()
-        entry["records"] = sink.count
-        entry["finished"] = _now()
+        entry.records = sink.count
+        entry.finished = _now()
+        manifest.save(run_dir)
     write_utilization_part(run_dir, name, repeat, result.utilization)
-    entry["status"] = "ok"
-    manifest["fidelity"][name] = dict(result.fidelity)
-    manifest["telemetry_source"] = result.telemetry_source
+    write_events_part(run_dir, name, repeat, result.events)
+    entry.status = "ok"
+    manifest.fidelity[name] = dict(result.fidelity)
+    manifest.telemetry_source = result.telemetry_source
     if result.extra:
-        entry["extra"] = result.extra
-    write_manifest(run_dir, manifest)
+        entry.extra = result.extra
+    manifest.save(run_dir)
+
+
+def _safe_name(name: str) -> str:
+    """A file name from a variant name (which may hold any characters)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from btb_lab.cluster.driver import RunClock, completion_payload, stream_completion  # noqa: E402
 from btb_lab.cluster.launcher import Launcher, plan_instances, tail_lines  # noqa: E402
-from btb_lab.hypothesis.schema import ClusterSpec  # noqa: E402
+from btb_lab.config.hypothesis import ClusterSpec  # noqa: E402
 
 MODEL = ROOT / ".models" / "tiny-llama"
 PROMPT_TOKENS = 480

@@ -13,13 +13,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from btb_lab.hypothesis.schema import ClassRule, Condition
+from btb_lab.config.hypothesis import NUMERIC_FIELDS, ClassRule, Condition
 
 __all__ = ["NUMERIC_FIELDS", "STRING_FIELDS", "assign_classes", "condition_mask"]
 
-NUMERIC_FIELDS = frozenset(
-    {"input_tokens", "output_tokens", "cached_tokens", "cached_fraction", "uncached_tokens", "turn"}
-)
 STRING_FIELDS = frozenset({"route", "source"})
 
 _OPS: dict[str, Callable[[Any, Any], Any]] = {

@@ -1,82 +1,36 @@
-"""Metric definitions (as vLLM's benchmark counts them) and per-variant summaries.
+"""Per-variant statistics of stored records: request metrics, cache hits, GPU balance.
 
-TTFT = first token − send; E2E = last token − send; TPOT = (E2E − TTFT) / (output − 1)
-for output_tokens > 1; OK/N over requests sent; GPU imbalance = max / min of per-instance
-mean utilization, with std and max of the same means. Latency statistics use successful
-requests only.
+What each metric means, and its column, statistic and direction, is defined once in
+`btb_lab.config.metrics`; this module computes them over record frames whose latencies
+were derived by `btb_lab.records.derive_timings` (the same formula `requests.parquet`
+stores). Latency statistics use successful requests only.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from btb_lab.analysis.models import CacheStats, GpuStats, RequestMetrics, VariantSummary
+from btb_lab.config.metrics import METRICS, MetricDef
+
 __all__ = [
-    "GPU_METRIC_NAMES",
-    "HIGHER_IS_BETTER",
-    "LATENCIES",
-    "METRIC_NAMES",
-    "REQUEST_METRIC_NAMES",
-    "STATS",
     "cache_stats",
-    "derive_timings",
     "gpu_stats",
     "gpu_stats_from_means",
     "latency_stat",
-    "metric_label",
     "request_metrics",
     "summarize_variants",
 ]
 
-LATENCIES = ("ttft", "tpot", "e2e")
-STATS = ("p50", "p90", "p95", "p99", "mean")
-REQUEST_METRIC_NAMES: tuple[str, ...] = (
-    *(f"{lat}_{stat}" for lat in LATENCIES for stat in STATS),
-    "ok_rate",
-    "cache_hit_rate",
-)
-GPU_METRIC_NAMES: tuple[str, ...] = ("gpu_imbalance", "gpu_std", "gpu_max")
-METRIC_NAMES: tuple[str, ...] = (*REQUEST_METRIC_NAMES, *GPU_METRIC_NAMES)
-HIGHER_IS_BETTER = frozenset({"ok_rate", "cache_hit_rate"})
-
-
-def metric_label(name: str) -> str:
-    """Short label in the seed log's style: ttft_p90 → TTFT90, e2e_mean → E2Emean."""
-    if "_" in name and name.split("_", 1)[0] in LATENCIES:
-        lat, stat = name.split("_", 1)
-        return lat.upper() + (stat[1:] if stat.startswith("p") else stat)
-    return {
-        "ok_rate": "OK rate",
-        "cache_hit_rate": "cache hit rate",
-        "gpu_imbalance": "GPU imbalance",
-        "gpu_std": "GPU std",
-        "gpu_max": "GPU max",
-    }.get(name, name)
-
-
-def derive_timings(frame: pd.DataFrame) -> pd.DataFrame:
-    """Fill ttft_s, e2e_s, tpot_s from the raw stamps (a copy; failed requests get NaN)."""
-    out = frame.copy()
-    sent = out["sent_s"].astype(float)
-    first = pd.to_numeric(out["first_token_s"], errors="coerce").astype(float)
-    finish = pd.to_numeric(out["finish_s"], errors="coerce").astype(float)
-    ok = out["ok"].astype(bool)
-    ttft = (first - sent).where(ok)
-    e2e = (finish - sent).where(ok)
-    tokens = out["output_tokens"].astype(float)
-    tpot = ((e2e - ttft) / (tokens - 1)).where(ok & (tokens > 1))
-    out["ttft_s"] = ttft
-    out["e2e_s"] = e2e
-    out["tpot_s"] = tpot
-    return out
+_LATENCY_METRICS: tuple[MetricDef, ...] = tuple(m for m in METRICS.values() if m.kind == "latency")
 
 
 def latency_stat(values: np.ndarray, stat: str) -> float:
-    """One statistic of a latency sample; NaN when the sample is empty."""
+    """One statistic (`mean` or `pNN`) of a latency sample; NaN when the sample is empty."""
     values = values[~np.isnan(values)]
     if values.size == 0:
         return math.nan
@@ -85,35 +39,35 @@ def latency_stat(values: np.ndarray, stat: str) -> float:
     return float(np.percentile(values, float(stat[1:])))
 
 
-def _clean(value: float) -> float | None:
-    return None if value is None or not math.isfinite(value) else float(value)
-
-
-def request_metrics(frame: pd.DataFrame) -> dict[str, Any]:
-    """N, OK, OK rate and p50/p90/p95/p99/mean of TTFT, TPOT, E2E for a set of records."""
+def request_metrics(frame: pd.DataFrame) -> RequestMetrics:
+    """N, OK, OK rate and every latency metric for a set of records."""
     n = len(frame)
     ok = int(frame["ok"].astype(bool).sum()) if n else 0
-    out: dict[str, Any] = {"n": n, "ok": ok, "ok_rate": _clean(ok / n) if n else None}
-    for lat in LATENCIES:
-        column = f"{lat}_s"
-        values = frame[column].to_numpy(dtype=float) if n else np.array([], dtype=float)
-        for stat in STATS:
-            out[f"{lat}_{stat}"] = _clean(latency_stat(values, stat))
-    return out
+    values: dict[str, float | None] = {}
+    by_column: dict[str, list[MetricDef]] = {}
+    for metric in _LATENCY_METRICS:
+        assert metric.column is not None
+        by_column.setdefault(metric.column, []).append(metric)
+    for column, metrics in by_column.items():
+        data = frame[column].to_numpy(dtype=float) if n else np.array([], dtype=float)
+        data = data[~np.isnan(data)]
+        # every percentile of a column from one sort (the values np.percentile gives one by one)
+        pcts = [m for m in metrics if m.percentile is not None]
+        levels = [m.percentile for m in pcts if m.percentile is not None]
+        found: list[float] = np.percentile(data, levels).tolist() if data.size and pcts else []
+        for m, value in zip(pcts, found, strict=False):
+            values[m.name] = float(value)
+        for m in metrics:
+            if m.percentile is None:
+                values[m.name] = float(data.mean()) if data.size else math.nan
+            values.setdefault(m.name, math.nan)
+    return RequestMetrics(n=n, ok=ok, ok_rate=ok / n if n else None, **values)
 
 
-def cache_stats(frame: pd.DataFrame) -> dict[str, Any]:
+def cache_stats(frame: pd.DataFrame) -> CacheStats:
     """Prefix-cache hits: token hit rate, per-request hit fractions, tiers hits came from."""
     if frame.empty:
-        return {
-            "hit_rate": None,
-            "mean_fraction": None,
-            "median_fraction": None,
-            "requests_with_hit": 0,
-            "cached_tokens": 0,
-            "input_tokens": 0,
-            "tiers": {},
-        }
+        return CacheStats()
     inp = frame["input_tokens"].astype(float)
     cached = frame["cached_tokens"].astype(float)
     frac = (cached / inp.where(inp > 0)).fillna(0.0)
@@ -123,40 +77,54 @@ def cache_stats(frame: pd.DataFrame) -> dict[str, Any]:
         counts = hit["cache_tier"].fillna("unknown").astype(str).value_counts()
         tiers = {str(k): int(v) for k, v in sorted(counts.items())}
     total_in = float(inp.sum())
-    return {
-        "hit_rate": _clean(float(cached.sum()) / total_in) if total_in > 0 else None,
-        "mean_fraction": _clean(float(frac.mean())),
-        "median_fraction": _clean(float(frac.median())),
-        "requests_with_hit": int((cached > 0).sum()),
-        "cached_tokens": int(cached.sum()),
-        "input_tokens": int(total_in),
-        "tiers": tiers,
-    }
+    return CacheStats(
+        hit_rate=float(cached.sum()) / total_in if total_in > 0 else None,
+        mean_fraction=float(frac.mean()),
+        median_fraction=float(frac.median()),
+        requests_with_hit=int((cached > 0).sum()),
+        cached_tokens=int(cached.sum()),
+        input_tokens=int(total_in),
+        tiers=tiers,
+    )
 
 
-def gpu_stats_from_means(means: Sequence[float] | np.ndarray) -> dict[str, float | None]:
+def gpu_stats_from_means(means: Sequence[float] | np.ndarray) -> GpuStats:
     """Imbalance (max/min), std (population) and max of per-instance mean utilization."""
     arr = np.asarray(means, dtype=float)
     arr = arr[~np.isnan(arr)]
     if arr.size == 0:
-        return {"imbalance": None, "std": None, "max": None}
+        return GpuStats()
     low = float(arr.min())
-    return {
-        "imbalance": _clean(float(arr.max()) / low) if low > 0 else None,
-        "std": _clean(float(arr.std())),
-        "max": _clean(float(arr.max())),
-    }
+    return GpuStats(
+        imbalance=float(arr.max()) / low if low > 0 else None,
+        std=float(arr.std()),
+        max=float(arr.max()),
+    )
 
 
-def gpu_stats(util: pd.DataFrame) -> dict[str, Any]:
+def gpu_stats(util: pd.DataFrame) -> GpuStats:
     """GPU (sim: instance) balance over one variant's utilization samples, all repeats."""
     if util.empty:
-        return {"imbalance": None, "std": None, "max": None, "per_instance": {}}
+        return GpuStats()
     keyed = util.assign(unit=util["instance"].astype(str) + "/" + util["device"].astype(str))
     means = keyed.groupby("unit", sort=True)["utilization"].mean()
-    out: dict[str, Any] = dict(gpu_stats_from_means(means.to_numpy()))
-    out["per_instance"] = {str(k): float(v) for k, v in means.items()}
-    return out
+    stats = gpu_stats_from_means(means.to_numpy())
+    stats.per_instance = {str(k): float(v) for k, v in means.items()}
+    return stats
+
+
+def _grouped_metrics(
+    rows: pd.DataFrame, column: str, *, per_repeat: bool = False
+) -> dict[str, RequestMetrics]:
+    """Metrics per value of `column` (pools by `source`, windows by `trace_id`), in order
+    of first appearance. `per_repeat`: keys are `r<repeat>:<value>` when the run has
+    several repeats (a generator's windows are new requests in every repeat)."""
+    if column not in rows.columns or rows.empty:
+        return {}
+    keys = rows[column].astype(str)
+    if per_repeat and rows["repeat"].nunique() > 1:
+        keys = "r" + (rows["repeat"].astype(int) + 1).astype(str) + ":" + keys
+    return {str(k): request_metrics(rows[keys == k]) for k in keys.unique()}
 
 
 def summarize_variants(
@@ -164,23 +132,26 @@ def summarize_variants(
     util: pd.DataFrame,
     variants: Sequence[str],
     class_names: Sequence[str],
-) -> dict[str, Any]:
-    """`summary.json`'s `variants` block: metrics overall and per class, routes, cache, GPU.
+) -> dict[str, VariantSummary]:
+    """`summary.json`'s `variants` block: metrics overall, per class, per pool (source) and
+    per window (trace_id), routes, cache, GPU.
 
     `records` must already carry derived timings and the final `class` column."""
-    out: dict[str, Any] = {}
+    out: dict[str, VariantSummary] = {}
     for name in variants:
         rows = records[records["variant"] == name]
         present = [str(c) for c in rows["class"].dropna().unique()] if "class" in rows else []
         ordered = list(class_names) + sorted(c for c in present if c not in class_names)
         util_rows = util[util["variant"] == name] if not util.empty else util
         routes = rows["route"].astype(str).value_counts() if len(rows) else pd.Series()
-        out[name] = {
-            "all": request_metrics(rows),
-            "classes": {c: request_metrics(rows[rows["class"] == c]) for c in ordered},
-            "routes": {str(k): int(v) for k, v in sorted(routes.items())},
-            "cache": cache_stats(rows),
-            "gpu": gpu_stats(util_rows),
-            "repeats": sorted(int(r) for r in rows["repeat"].unique()) if len(rows) else [],
-        }
+        out[name] = VariantSummary(
+            all=request_metrics(rows),
+            classes={c: request_metrics(rows[rows["class"] == c]) for c in ordered},
+            pools=_grouped_metrics(rows, "source"),
+            windows=_grouped_metrics(rows, "trace_id", per_repeat=True),
+            routes={str(k): int(v) for k, v in sorted(routes.items())},
+            cache=cache_stats(rows),
+            gpu=gpu_stats(util_rows),
+            repeats=sorted(int(r) for r in rows["repeat"].unique()) if len(rows) else [],
+        )
     return out

@@ -6,31 +6,45 @@ always be rebuilt, and the same stored run always gives the same summary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from pydantic import ValidationError
 
 from btb_lab.analysis.classes import assign_classes
-from btb_lab.analysis.metrics import derive_timings, summarize_variants
-from btb_lab.analysis.verdict import Verdict, evaluate_verdict
+from btb_lab.analysis.metrics import summarize_variants
+from btb_lab.analysis.models import Exclusion, PrimarySpec, Summary, VariantSummary, Verdict
+from btb_lab.analysis.scopes import apply_exclusion
+from btb_lab.analysis.verdict import evaluate_verdict
+from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
-from btb_lab.hypothesis.schema import Hypothesis
-from btb_lab.results import read_manifest, read_records, read_utilization
+from btb_lab.records import derive_timings
+from btb_lab.results import Manifest, read_events, read_records, read_utilization
 
-__all__ = ["AnalyzedRun", "analyze_frames", "analyze_run", "summarize_fidelity"]
+__all__ = [
+    "AnalyzedRun",
+    "analyze_frames",
+    "analyze_run",
+    "classified",
+    "measured_frames",
+    "summarize_fidelity",
+]
 
 
 @dataclass
 class AnalyzedRun:
     run_dir: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     hypothesis: Hypothesis
-    records: pd.DataFrame  # with derived timings and final classes
-    utilization: pd.DataFrame
+    records: pd.DataFrame  # with derived timings and final classes, warmup / cooldown out
+    utilization: pd.DataFrame  # inside the measured window
     verdict: Verdict
-    summary: dict[str, Any]
+    summary: Summary
+    all_records: pd.DataFrame  # every record (timed, classified): the timeline shows them all
+    events: pd.DataFrame  # events.parquet (EVENT_COLUMNS)
 
 
 def summarize_fidelity(per_variant: dict[str, dict[str, Any]], baseline: str) -> dict[str, Any]:
@@ -56,12 +70,11 @@ def analyze_frames(
     utilization: pd.DataFrame,
     *,
     variants: list[str],
-    failed: list[str] = (),  # type: ignore[assignment]
+    failed: Sequence[str] = (),
     incomplete: bool = False,
-) -> tuple[pd.DataFrame, Verdict, dict[str, Any]]:
+) -> tuple[pd.DataFrame, Verdict, dict[str, VariantSummary]]:
     """Timings, classes, per-variant metrics and the verdict for a set of records."""
-    records = derive_timings(records)
-    records["class"] = assign_classes(records, hypothesis.classes)
+    records, utilization, _ = measured_frames(hypothesis, records, utilization)
     class_names = [rule.name for rule in hypothesis.classes]
     verdict = evaluate_verdict(
         records, utilization, hypothesis.verdict, baseline=hypothesis.baseline,
@@ -71,37 +84,73 @@ def analyze_frames(
     return records, verdict, variant_block
 
 
+def classified(hypothesis: Hypothesis, records: pd.DataFrame) -> pd.DataFrame:
+    """Records with derived timings and their final classes."""
+    records = derive_timings(records)
+    records["class"] = assign_classes(records, hypothesis.classes)
+    return records
+
+
+def measured_frames(
+    hypothesis: Hypothesis, records: pd.DataFrame, utilization: pd.DataFrame
+) -> tuple[pd.DataFrame, pd.DataFrame, Exclusion | None]:
+    """The records (timed and classified) and utilization the metrics and the verdict
+    cover: without the warmup / cooldown of `verdict.exclude`."""
+    return apply_exclusion(classified(hypothesis, records), utilization, hypothesis.verdict.exclude)
+
+
+def stored_hypothesis(manifest: Manifest, run_dir: Path) -> Hypothesis:
+    """The hypothesis a run stored in its manifest."""
+    try:
+        return Hypothesis.model_validate(manifest.hypothesis)
+    except ValidationError as exc:  # a manifest edited by hand or from another version
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UserError(
+            f"{run_dir}/manifest.json: cannot read the stored hypothesis: {where}: {first['msg']}"
+        ) from None
+
+
 def analyze_run(run_dir: Path) -> AnalyzedRun:
     """Everything the report needs, computed from the stored run."""
-    manifest = read_manifest(run_dir)
-    try:
-        hypothesis = Hypothesis.model_validate(manifest["hypothesis"])
-    except Exception as exc:  # a manifest edited by hand or from another version
-        raise UserError(f"{run_dir}/manifest.json: cannot read the stored hypothesis: {exc}") \
-            from None  # fmt: skip
-    variants: list[str] = list(manifest.get("variants") or hypothesis.variants)
-    records = read_records(run_dir, variants)
-    util = read_utilization(run_dir, variants)
-    failed = sorted({r["variant"] for r in manifest.get("runs", []) if r.get("status") == "failed"})
-    complete = bool(manifest.get("complete"))
-    records, verdict, variant_block = analyze_frames(
-        hypothesis, records, util, variants=variants, failed=failed, incomplete=not complete
+    manifest = Manifest.load(run_dir)
+    hypothesis = stored_hypothesis(manifest, run_dir)
+    variants: list[str] = list(manifest.variants or hypothesis.variants)
+    all_records = classified(hypothesis, read_records(run_dir, variants))
+    records, util, exclusion = apply_exclusion(
+        all_records, read_utilization(run_dir, variants), hypothesis.verdict.exclude
     )
-    summary = {
-        "hypothesis": hypothesis.id,
-        "title": hypothesis.title,
-        "run_id": manifest.get("run_id"),
-        "backend": manifest.get("backend"),
-        "complete": complete,
-        "fidelity": summarize_fidelity(manifest.get("fidelity") or {}, hypothesis.baseline),
-        "baseline": hypothesis.baseline,
-        "primary": {
-            "metric": hypothesis.verdict.metric,
-            "class": hypothesis.verdict.klass,
-            "direction": hypothesis.verdict.direction,
-            "min_effect": hypothesis.verdict.min_effect,
-        },
-        "verdict": verdict.to_dict(),
-        "variants": variant_block,
-    }
-    return AnalyzedRun(run_dir, manifest, hypothesis, records, util, verdict, summary)
+    verdict = evaluate_verdict(
+        records, util, hypothesis.verdict, baseline=hypothesis.baseline, variants=variants,
+        seed=hypothesis.seed, failed=manifest.failed_variants, incomplete=not manifest.complete,
+    )  # fmt: skip
+    variant_block = summarize_variants(
+        records, util, variants, [rule.name for rule in hypothesis.classes]
+    )
+    rule = hypothesis.verdict
+    summary = Summary(
+        hypothesis=hypothesis.id,
+        title=hypothesis.title,
+        run_id=manifest.run_id,
+        backend=manifest.backend,
+        complete=manifest.complete,
+        fidelity=summarize_fidelity(manifest.fidelity, hypothesis.baseline),
+        baseline=hypothesis.baseline,
+        primary=PrimarySpec(
+            metric=rule.metric,
+            klass=rule.klass,
+            pool=rule.pool,
+            direction=rule.direction,
+            min_effect=rule.min_effect,
+            multiplicity=rule.multiplicity,
+            require_all_repeats=rule.require_all_repeats,
+        ),
+        verdict=verdict,
+        variants=variant_block,
+        exclusion=exclusion,
+        repeats=len({r.repeat for r in manifest.runs}) or None,
+    )
+    events = read_events(run_dir, variants)
+    return AnalyzedRun(
+        run_dir, manifest, hypothesis, records, util, verdict, summary, all_records, events
+    )

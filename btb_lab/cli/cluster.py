@@ -26,15 +26,13 @@ def serve(
     on /v1/completions until Ctrl-C; instances stop on exit."""
     import uvicorn
 
-    from btb_lab.cluster.backend import (
-        build_costs,
-        make_client,
-        resolve_served_model,
-    )
+    from btb_lab.cluster.backend import make_client, resolve_served_model
     from btb_lab.cluster.launcher import Launcher, plan_endpoints, plan_instances, sigterm_raises
     from btb_lab.cluster.proxy import build_proxy_app, make_router
+    from btb_lab.config.variants import resolve_variant
     from btb_lab.errors import UserError
-    from btb_lab.hypothesis.loader import load_hypothesis, resolve_variant
+    from btb_lab.hypothesis.loader import load_hypothesis
+    from btb_lab.model.costmodel import build_cost_model
     from btb_lab.policies import build_policy
 
     loaded = load_hypothesis(hypothesis)
@@ -65,8 +63,8 @@ def serve(
             max_connections=launch.max_connections,
         )
         router = make_router(
-            endpoints, policy, build_costs(hyp), client=client, model=model,
-            connector=hyp.cluster.kv_connector,
+            endpoints, policy, build_cost_model(hyp, loaded.base_dir), client=client,
+            model=model, connector=hyp.cluster.kv_connector,
         )  # fmt: skip
         app = build_proxy_app(router, block_tokens=hyp.workload.block_tokens)
         for ep in endpoints:

@@ -19,8 +19,8 @@ def costs(
     mfu: float = typer.Option(0.5, min=0.01, max=1.0, help="Model FLOP utilization."),
 ) -> None:
     """Print milliseconds to make N tokens of KV resident: prefill vs disk/RDMA/RAM/HBM."""
-    from btb_lab.sim.costs import render_cost_table
-    from btb_lab.sim.hardware import make_instance, resolve_gpu, resolve_model
+    from btb_lab.model.hardware import make_instance, resolve_gpu, resolve_model
+    from btb_lab.model.roofline import render_cost_table
 
     inst = make_instance(0, "C0", "C", resolve_gpu(gpu), gpus, resolve_model(model))
     typer.echo(render_cost_table(inst, mfu))

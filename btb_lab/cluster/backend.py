@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from btb_lab.backends import BACKENDS, BackendResult, RunContext
+from btb_lab.backends import BackendResult, RunContext
 from btb_lab.cluster.driver import ClientPool, LoadDriver, RunClock, event_loop_name, run_async
 from btb_lab.cluster.launcher import (
     Endpoint,
@@ -39,15 +39,13 @@ from btb_lab.cluster.telemetry import (
     scrape_all,
 )
 from btb_lab.errors import UserError
-from btb_lab.policies.base import CostModel
-from btb_lab.records import Request
+from btb_lab.records import EventRecord, Request
 
 if TYPE_CHECKING:
-    from btb_lab.hypothesis.schema import ClusterSpec, Hypothesis
+    from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
 
 __all__ = [
     "ClusterBackend",
-    "build_costs",
     "make_client",
     "prompt_function",
     "resolve_served_model",
@@ -104,13 +102,6 @@ def prompt_function(seed: int, vocab_size: int) -> Callable[[Request], list[int]
         return prompt_token_ids(request, seed=seed, vocab_size=vocab_size, reserved_ids=reserved)
 
     return fn
-
-
-def build_costs(hypothesis: Hypothesis) -> CostModel:
-    """The simulator's cost model, so cost-based policies decide alike in both worlds."""
-    from btb_lab.sim.costs import build_cost_model
-
-    return build_cost_model(hypothesis)
 
 
 def make_client(
@@ -245,7 +236,7 @@ class ClusterBackend:
         connector = hyp.cluster.kv_connector
         async with client:
             router = Router(
-                endpoints, policy, build_costs(hyp), client=client, clock=clock, model=model,
+                endpoints, policy, ctx.costs, client=client, clock=clock, model=model,
                 prompt_fn=prompt_function(ctx.seed, vocab), connector=connector,
                 cache_blocks=launch.router_cache_blocks, variant=ctx.variant_name,
                 repeat=ctx.repeat,
@@ -302,8 +293,10 @@ class ClusterBackend:
             "driver": stats.as_dict(),
             "router": router.stats.as_dict(),
         }
+        events = router.events.records() + policy.events + _gauge_events(periodic)
         return BackendResult(
             utilization=samples,
+            events=sorted(events, key=lambda e: e.time_s),
             fidelity=fidelity,
             telemetry_source=sampler.source,
             extra=extra,
@@ -322,4 +315,18 @@ async def _scrape_periodically(
         out.append((clock.now(), await scrape_all(client, endpoints)))
 
 
-BACKENDS.add("cluster", ClusterBackend)
+def _gauge_events(periodic: list[tuple[float, dict[str, Any]]]) -> list[EventRecord]:
+    """vLLM's own queue depth and running batch per instance from the periodic /metrics
+    scrapes: each scrape's gauge holds until the next scrape (`waiting` / `running`)."""
+    out: list[EventRecord] = []
+    ends = [t for t, _ in periodic[1:]]
+    for (t, scrape), end in zip(
+        periodic, [*ends, periodic[-1][0]] if periodic else [], strict=True
+    ):
+        for name, metrics in sorted(scrape.items()):
+            for kind in ("waiting", "running"):
+                value = metrics.get(kind)
+                if isinstance(value, int | float):
+                    out.append(EventRecord(time_s=t, kind=kind, instance=name, value=float(value),
+                                           end_s=end, origin="vllm_metrics"))  # fmt: skip
+    return out

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from btb_lab.cluster.driver import LoadDriver, RunClock, event_loop_name, run_async
 from btb_lab.cluster.launcher import Endpoint, ProcessTree, free_port
 from btb_lab.cluster.router import Router
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.policies.base import ClusterView, Decision, NoParams, Policy
 from btb_lab.records import Request, RequestRecord
 

@@ -42,7 +42,7 @@ from btb_lab.registry import Registry
 
 if TYPE_CHECKING:
     from btb_lab.cluster.launcher import Endpoint
-    from btb_lab.hypothesis.schema import KVConnector
+    from btb_lab.config.hypothesis import KVConnector
 
 __all__ = [
     "CONNECTORS",

@@ -28,7 +28,7 @@ from btb_lab.errors import UserError
 if TYPE_CHECKING:
     import psutil
 
-    from btb_lab.hypothesis.schema import ClusterSpec
+    from btb_lab.config.hypothesis import ClusterSpec
 
 __all__ = [
     "Endpoint",

@@ -26,11 +26,12 @@ from btb_lab.cluster.connectors import (
 )
 from btb_lab.cluster.driver import ClientPool, RunClock, StreamResult, completion_payload
 from btb_lab.cluster.launcher import Endpoint
+from btb_lab.events import EventLog
 from btb_lab.policies.base import CostModel, Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
 
 if TYPE_CHECKING:
-    from btb_lab.hypothesis.schema import KVConnector
+    from btb_lab.config.hypothesis import KVConnector
 
 __all__ = ["BlockLRU", "Router", "RouterState", "RoutingStats"]
 
@@ -199,6 +200,7 @@ class Router:
         self.repeat = repeat
         self.state = RouterState(self.endpoints, costs, clock, cache_blocks=cache_blocks)
         self.stats = RoutingStats()
+        self.events = EventLog("router")  # warm copies and KV transfers, as they happen
         self.io = TransferIO(
             client, clock, self.endpoints, model,
             TransferMeter(client, self.endpoints, enabled=self.kv.spec.attribute_transfers),
@@ -277,6 +279,14 @@ class Router:
             self.state.prefilled(p, blocks)
         if decode.first_token_s is not None:
             self.state.prefilled(d, blocks)
+        if prefill is not None and prefill.finish_s is not None:
+            # the KV moves once the producer's prefill is done
+            landed = decode.first_token_s
+            self.events.kv_transfer(
+                prefill.finish_s, max(landed, prefill.finish_s) if landed is not None else None,
+                self.endpoints[d].name, self.endpoints[p].name, request.input_tokens,
+                request_id=request.request_id,
+            )  # fmt: skip
         if not result.ok:
             self.stats.transfers_failed += 1
         record = self._record(request, decision, decode, target_s)
@@ -398,6 +408,12 @@ class Router:
             self.state.prefilled(target, blocks)
         else:
             self.stats.warms_failed += 1
+        copied = transfer is not None
+        source = self.endpoints[action.source].name if copied and action.source is not None else ""
+        self.events.warm_copy(
+            start, self.clock.now() if res.ok else None, self.endpoints[target].name, source,
+            len(tokens), mode="rdma" if copied else "prefill", request_id=request.request_id,
+        )  # fmt: skip
 
     async def drain(self) -> None:
         """Wait for warm transfers still in flight (they belong to this run)."""
@@ -408,7 +424,7 @@ class Router:
 def _as_connector(connector: str | KVConnector | Connector) -> Connector:
     if isinstance(connector, Connector):
         return connector
-    from btb_lab.hypothesis.schema import KVConnector
+    from btb_lab.config.hypothesis import KVConnector
 
     spec = KVConnector(type=connector) if isinstance(connector, str) else connector
     return build_connector(spec)

@@ -2,34 +2,46 @@
 
 Every user mistake becomes one `FILE:LINE: field.path: message` line inside a
 `ValidationFailed`, so `btb-lab validate` can print them all at once and never a traceback.
+The checks that need a registry (policies and their parameters, model and GPU presets,
+workload formats and generators, class names) import those registries statically here.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from btb_lab.config.costs import CostSettings, ProfileRef, move_sim_aliases
+from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
+from btb_lab.config.metrics import METRICS
+from btb_lab.config.sim import SimSettings
+from btb_lab.config.variants import deep_merge
 from btb_lab.errors import UserError, ValidationFailed
-from btb_lab.hypothesis.schema import ClusterSpec, Hypothesis
-from btb_lab.sim.settings import SimSettings
+from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS
+from btb_lab.model.profile import load_profile
+from btb_lab.policies import POLICIES, build_policy
+from btb_lab.workload.loader import validate_workload_spec
 
 __all__ = [
+    "MAX_YAML_NODES",
     "LoadedHypothesis",
     "apply_overrides",
+    "compose_yaml",
     "format_pydantic_errors",
     "load_hypothesis",
     "parse_hypothesis_text",
-    "resolve_variant",
 ]
 
 PathKey = tuple[str | int, ...]
+# A YAML file whose aliases expand to more nodes than this is refused before anything walks
+# it (a few anchors listing each other nine times expand to hundreds of millions of nodes).
+MAX_YAML_NODES = 200_000
 
 
 @dataclass
@@ -46,13 +58,21 @@ class LoadedHypothesis:
 # ---------------------------------------------------------------------------- YAML + lines
 
 
-def _compose(text: str, path: Path) -> tuple[Any, dict[PathKey, int]]:
-    """Parse YAML keeping the 1-based line of every key and list item."""
+def compose_yaml(text: str, path: Path | str) -> tuple[Any, dict[PathKey, int]]:
+    """Parse YAML keeping the 1-based line of every key and list item. Refuses, with a
+    line-numbered problem, syntax errors, duplicate keys (YAML would keep the last one
+    silently) and alias bombs (more than MAX_YAML_NODES nodes once aliases expand)."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None, {}
+        _check_expansion(node, path)
+        problems: list[str] = []
+        lines: dict[PathKey, int] = {(): node.start_mark.line + 1}
+        _walk_lines(node, (), lines, problems, path, set())
+        if problems:
+            raise ValidationFailed(problems)
         data = loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -63,23 +83,71 @@ def _compose(text: str, path: Path) -> tuple[Any, dict[PathKey, int]]:
         raise ValidationFailed([f"{path}:1: YAML error: {exc}"]) from None
     finally:
         loader.dispose()
-    lines: dict[PathKey, int] = {(): node.start_mark.line + 1}
-    _walk_lines(node, (), lines)
     return data, lines
 
 
-def _walk_lines(node: yaml.Node, prefix: PathKey, lines: dict[PathKey, int]) -> None:
+def _check_expansion(root: yaml.Node, path: Path | str) -> None:
+    """Nodes the document has once every alias is expanded, counted per distinct node."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = _children(node)
+        if done:
+            total = 1 + sum(sizes[id(c)] for c in children)
+            sizes[id(node)] = total
+            if total > MAX_YAML_NODES:
+                line = node.start_mark.line + 1
+                message = (
+                    f"{path}:{line}: (YAML): aliases expand to more than {MAX_YAML_NODES:,} "
+                    "nodes; refusing to load (an alias bomb?)"
+                )
+                raise ValidationFailed([message])
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _walk_lines(
+    node: yaml.Node,
+    prefix: PathKey,
+    lines: dict[PathKey, int],
+    problems: list[str],
+    path: Path | str,
+    seen: set[int],
+) -> None:
+    if id(node) in seen:  # an alias of a node already walked: its lines are known
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+            line = key_node.start_mark.line + 1
             here = (*prefix, key)
-            lines[here] = key_node.start_mark.line + 1
-            _walk_lines(value_node, here, lines)
+            if key in first and key != "<<":
+                problems.append(
+                    f"{path}:{line}: {_dotted(here)}: duplicate key {key!r} "
+                    f"(first given at line {first[key]})"
+                )
+            first.setdefault(key, line)
+            lines.setdefault(here, line)
+            _walk_lines(value_node, here, lines, problems, path, seen)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             here = (*prefix, index)
-            lines[here] = item.start_mark.line + 1
-            _walk_lines(item, here, lines)
+            lines.setdefault(here, item.start_mark.line + 1)
+            _walk_lines(item, here, lines, problems, path, seen)
 
 
 # ---------------------------------------------------------------------------- overrides
@@ -205,46 +273,58 @@ def format_pydantic_errors(
 # ---------------------------------------------------------------------------- semantic checks
 
 
-def _optional_module(name: str) -> Any | None:
-    """Import a module another part of the package provides, or None if it is absent."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            return None
-        raise
+def _move_aliases(data: dict[str, Any], lines: dict[PathKey, int], file: Path) -> list[str]:
+    """`sim.<cost parameter>` → `costs.<parameter>` (also inside variants), keeping each
+    moved key's line so a bad value is still reported where it was written."""
+    notes: list[str] = []
+
+    def move(block: dict[str, Any], prefix: PathKey) -> None:
+        sim_keys = dict(block["sim"]) if isinstance(block.get("sim"), dict) else {}
+        where = "".join(f"{p}." for p in prefix)
+        try:
+            found = move_sim_aliases(block, where=where)
+        except ValueError as exc:
+            raise ValidationFailed([
+                f"{file}:{_line_for((*prefix, 'sim'), lines)}: {where}sim: {exc}"
+            ]) from None  # fmt: skip
+        for key in sim_keys:
+            if key not in block["sim"]:
+                lines.setdefault((*prefix, "costs", key), _line_for((*prefix, "sim", key), lines))
+        notes.extend(found)
+
+    move(data, ())
+    variants = data.get("variants")
+    if isinstance(variants, dict):
+        for name, variant in variants.items():
+            if isinstance(variant, dict):
+                variants[name] = variant = dict(variant)
+                move(variant, ("variants", name))
+    return notes
 
 
-def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def resolve_variant(hypothesis: Hypothesis, variant_name: str) -> Hypothesis:
-    """The hypothesis as one variant sees it: its `sim` and `cluster` overrides merged
-    into the top-level blocks (so a backend reads `hypothesis.sim` and is done)."""
-    variant = hypothesis.variants[variant_name]
-    if not variant.sim and not variant.cluster:
-        return hypothesis
-    update: dict[str, Any] = {}
-    if variant.sim:
-        merged = _deep_merge(hypothesis.sim.model_dump(), variant.sim)
-        update["sim"] = SimSettings.model_validate(merged)
-    if variant.cluster:
-        merged = _deep_merge(hypothesis.cluster.model_dump(by_alias=True), variant.cluster)
-        update["cluster"] = ClusterSpec.model_validate(merged)
-    return hypothesis.model_copy(update=update)
-
-
-def _names(collection: Any) -> list[str]:
-    if hasattr(collection, "names"):
-        return list(collection.names())
-    return sorted(str(k) for k in collection)
+def _variant_block_problems(
+    hyp: Hypothesis, *, file: Path, data: dict[str, Any], lines: Mapping[PathKey, int]
+) -> list[str]:
+    """Each variant's `sim`, `costs` and `cluster` overrides merged into the top-level block
+    and validated, so a bad override is reported at its own line."""
+    problems: list[str] = []
+    blocks: tuple[tuple[str, BaseModel, type[BaseModel]], ...] = (
+        ("sim", hyp.sim, SimSettings),
+        ("costs", hyp.costs, CostSettings),
+        ("cluster", hyp.cluster, ClusterSpec),
+    )
+    for vname, variant in hyp.variants.items():
+        for block, base, model in blocks:
+            over = getattr(variant, block)
+            if not over:
+                continue
+            try:
+                model.model_validate(deep_merge(base.model_dump(by_alias=True), over))
+            except ValidationError as exc:
+                problems += format_pydantic_errors(
+                    exc, file=file, data=data, lines=lines, prefix=("variants", vname, block)
+                )
+    return problems
 
 
 def _semantic_problems(
@@ -257,142 +337,93 @@ def _semantic_problems(
         problems.append(f"{file}:{_line_for(path, lines)}: {_dotted(path)}: {message}")
 
     # policies and their parameters
-    policies_mod = _optional_module("btb_lab.policies")
-    registry = getattr(policies_mod, "POLICIES", None)
-    if registry is not None and list(registry):
-        from btb_lab.policies.base import build_policy
-
-        for name, variant in hyp.variants.items():
-            policy_path: PathKey = ("variants", name, "router", "policy")
-            if variant.router.policy not in registry:
-                add(
-                    policy_path,
-                    f"unknown policy {variant.router.policy!r}; choose one of: "
-                    + ", ".join(registry.names()),
-                )
-                continue
-            try:
-                build_policy(variant.router.policy, variant.router.params, seed=hyp.seed)
-            except ValidationError as exc:
-                problems += format_pydantic_errors(
-                    exc, file=file, data=data, lines=lines,
-                    prefix=("variants", name, "router", "params"),
-                )  # fmt: skip
-            except UserError as exc:
-                add(policy_path, str(exc))
-
-    # model and GPU presets
-    hardware = _optional_module("btb_lab.sim.hardware")
-    if hardware is not None:
-        models = getattr(hardware, "MODEL_PRESETS", None)
-        if models is not None and isinstance(hyp.model, str) and hyp.model not in models:
-            add(("model",), f"unknown model preset {hyp.model!r}; choose one of: "
-                + ", ".join(_names(models)) + " (or give an explicit shape)")  # fmt: skip
-        gpus = getattr(hardware, "GPU_PRESETS", None)
-        if gpus is not None:
-            groups: list[tuple[PathKey, Any]] = [
-                (("cluster", "instances", i), g) for i, g in enumerate(hyp.cluster.instances)
-            ]
-            for vname in hyp.variants:
-                try:
-                    resolved = resolve_variant(hyp, vname)
-                except ValidationError:
-                    continue  # reported below
-                if hyp.variants[vname].cluster:
-                    groups += [
-                        (("variants", vname, "cluster", "instances", i), g)
-                        for i, g in enumerate(resolved.cluster.instances)
-                    ]
-            for path, group in groups:
-                if group.gpu not in gpus:
-                    add((*path, "gpu"), f"unknown GPU preset {group.gpu!r}; choose one of: "
-                        + ", ".join(_names(gpus)))  # fmt: skip
-
-    # variant overrides of sim / cluster
-    for vname, variant in hyp.variants.items():
-        if variant.sim:
-            try:
-                SimSettings.model_validate(_deep_merge(hyp.sim.model_dump(), variant.sim))
-            except ValidationError as exc:
-                problems += format_pydantic_errors(
-                    exc, file=file, data=data, lines=lines, prefix=("variants", vname, "sim")
-                )
-        if variant.cluster:
-            try:
-                ClusterSpec.model_validate(
-                    _deep_merge(hyp.cluster.model_dump(by_alias=True), variant.cluster)
-                )
-            except ValidationError as exc:
-                problems += format_pydantic_errors(
-                    exc, file=file, data=data, lines=lines, prefix=("variants", vname, "cluster")
-                )
-
-    # workload: trace file relative to the hypothesis, generator parameters
-    trace = hyp.workload.trace
-    trace_missing = False
-    if trace is not None:
-        trace_path = Path(trace.path)
-        if not trace_path.is_absolute():
-            trace_path = base_dir / trace_path
-        if not trace_path.is_file():
-            trace_missing = True
-            add(("workload", "trace", "path"), f"trace file not found: {trace_path}")
-    workload_mod = _optional_module("btb_lab.workload")
-    validate_spec = getattr(workload_mod, "validate_workload_spec", None)
-    if validate_spec is not None and not trace_missing:
+    for name, variant in hyp.variants.items():
+        policy_path: PathKey = ("variants", name, "router", "policy")
+        if variant.router.policy not in POLICIES:
+            add(policy_path, f"unknown policy {variant.router.policy!r}; choose one of: "
+                + ", ".join(POLICIES.names()))  # fmt: skip
+            continue
         try:
-            found = validate_spec(hyp.workload, base_dir)
-        except ValidationFailed as exc:
-            found = exc.problems
-        except UserError as exc:
-            found = [str(exc)]
+            build_policy(variant.router.policy, variant.router.params, seed=hyp.seed)
         except ValidationError as exc:
-            found = format_pydantic_errors(
+            problems += format_pydantic_errors(
                 exc, file=file, data=data, lines=lines,
-                prefix=("workload", "generator", "params") if hyp.workload.generator else
-                ("workload",),
+                prefix=("variants", name, "router", "params"),
             )  # fmt: skip
-        for message in found or []:
-            text = str(message)
+        except UserError as exc:
+            add(policy_path, str(exc))
+
+    # variant overrides of sim / costs / cluster
+    block_problems = _variant_block_problems(hyp, file=file, data=data, lines=lines)
+    problems += block_problems
+
+    # cost profiles (top level and per variant), read and checked now, not at run time
+    profiles: list[tuple[PathKey, Any]] = [(("costs",), hyp.costs.model)]
+    if not block_problems:
+        profiles += [
+            (("variants", vname, "costs"), CostSettings.model_validate(
+                deep_merge(hyp.costs.model_dump(), variant.costs)).model)
+            for vname, variant in hyp.variants.items() if "model" in variant.costs
+        ]  # fmt: skip
+    for path, chosen in profiles:
+        if isinstance(chosen, ProfileRef):
+            where = Path(chosen.profile)
+            try:
+                load_profile(where if where.is_absolute() else base_dir / where)
+            except UserError as exc:
+                add((*path, "model", "profile"), str(exc))
+
+    # model and GPU presets (the top-level cluster and every variant's own)
+    if isinstance(hyp.model, str) and hyp.model.lower() not in MODEL_PRESETS:
+        add(("model",), f"unknown model preset {hyp.model!r}; choose one of: "
+            + ", ".join(sorted(MODEL_PRESETS)) + " (or give an explicit shape)")  # fmt: skip
+    groups: list[tuple[PathKey, Any]] = [
+        (("cluster", "instances", i), g) for i, g in enumerate(hyp.cluster.instances)
+    ]
+    if not block_problems:
+        for vname, variant in hyp.variants.items():
+            if "instances" in variant.cluster:
+                cluster = ClusterSpec.model_validate(
+                    deep_merge(hyp.cluster.model_dump(by_alias=True), variant.cluster)
+                )
+                groups += [
+                    (("variants", vname, "cluster", "instances", i), g)
+                    for i, g in enumerate(cluster.instances)
+                ]
+    gpu_names = {name.lower() for name in GPU_PRESETS}
+    for path, group in groups:
+        if group.gpu.lower() not in gpu_names:
+            add((*path, "gpu"), f"unknown GPU preset {group.gpu!r}; choose one of: "
+                + ", ".join(GPU_PRESETS))  # fmt: skip
+
+    # workload: trace file relative to the hypothesis, formats, generator parameters
+    try:
+        validate_workload_spec(hyp.workload, base_dir)
+    except ValidationFailed as exc:
+        for text in exc.problems:
             head, sep, rest = text.partition(": ")
-            if text.startswith(f"{file}:"):
-                problems.append(text)
-            elif sep and head.startswith("workload.") and " " not in head:
-                path = tuple(int(p) if p.isdigit() else p for p in head.split("."))
-                add(path, rest)
+            if sep and head.startswith("workload.") and " " not in head:
+                add(tuple(int(p) if p.isdigit() else p for p in head.split(".")), rest)
             else:
                 add(("workload",), text)
 
-    # class rules: numbers for numeric fields, equality only for text fields
-    from btb_lab.analysis.classes import NUMERIC_FIELDS
-    from btb_lab.analysis.metrics import METRIC_NAMES, REQUEST_METRIC_NAMES
-
-    for i, class_rule in enumerate(hyp.classes):
-        for j, cond in enumerate(class_rule.when):
-            where: PathKey = ("classes", i, "when", j)
-            if cond.field in NUMERIC_FIELDS and isinstance(cond.value, str):
-                add((*where, "value"), f"{cond.field} compares with a number, got {cond.value!r}")
-            elif cond.field not in NUMERIC_FIELDS and cond.op not in ("==", "!="):
-                add((*where, "op"), f"{cond.field} is text: use '==' or '!=' (got {cond.op!r})")
-
-    # verdict metrics and classes
-
+    # metrics (config.metrics) and the class names the verdict rule uses
     class_names = [rule.name for rule in hyp.classes]
     rule = hyp.verdict
-    if rule.metric not in METRIC_NAMES:
-        add(("verdict", "metric"), f"unknown metric {rule.metric!r}; choose one of: "
-            + ", ".join(METRIC_NAMES))  # fmt: skip
-    elif rule.klass is not None and rule.metric not in REQUEST_METRIC_NAMES:
-        add(("verdict", "class"), f"metric {rule.metric!r} cannot be restricted to a class")
+    scoped: list[tuple[PathKey, str, str | None]] = [(("verdict",), rule.metric, rule.klass)]
+    scoped += [(("verdict", "guards", i), g.metric, g.klass) for i, g in enumerate(rule.guards)]
+    for path, metric, klass in scoped:
+        if metric not in METRICS:
+            add((*path, "metric"), f"unknown metric {metric!r}; choose one of: "
+                + ", ".join(METRICS))  # fmt: skip
+        elif klass is not None and METRICS[metric].level != "request":
+            add((*path, "class"), f"metric {metric!r} cannot be restricted to a class")
     if rule.klass is not None and rule.klass not in class_names:
         add(("verdict", "class"), _unknown_class(rule.klass, class_names))
     for i, klass in enumerate(rule.per_class):
         if klass not in class_names:
             add(("verdict", "per_class", i), _unknown_class(klass, class_names))
     for i, guard in enumerate(rule.guards):
-        if guard.metric not in METRIC_NAMES:
-            add(("verdict", "guards", i, "metric"), f"unknown metric {guard.metric!r}; "
-                "choose one of: " + ", ".join(METRIC_NAMES))  # fmt: skip
         if guard.klass is not None and guard.klass not in class_names:
             add(("verdict", "guards", i, "class"), _unknown_class(guard.klass, class_names))
     return problems
@@ -415,17 +446,19 @@ def parse_hypothesis_text(
     overrides: Mapping[str, Any] | None = None,
 ) -> Hypothesis:
     """Validate hypothesis YAML text; raise `ValidationFailed` listing every problem."""
-    data, lines = _compose(text, file)
+    data, lines = compose_yaml(text, file)
     if not isinstance(data, dict):
         raise ValidationFailed([f"{file}:1: (top level): expected a mapping of hypothesis fields"])
     if overrides:
         data = apply_overrides(data, overrides)
+    notes = _move_aliases(data, lines, file)
     try:
         hyp = Hypothesis.model_validate(data)
     except ValidationError as exc:
         raise ValidationFailed(
             format_pydantic_errors(exc, file=file, data=data, lines=lines)
         ) from None
+    hyp._aliases = notes
     problems = _semantic_problems(hyp, file=file, data=data, lines=lines, base_dir=base_dir)
     if problems:
         raise ValidationFailed(problems)
@@ -439,8 +472,12 @@ def load_hypothesis(path: Path, overrides: dict[str, Any] | None = None) -> Load
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: no such hypothesis file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read: {exc}") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a hypothesis file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text (UTF-8) file") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
     base_dir = path.resolve().parent
     hyp = parse_hypothesis_text(text, file=path, base_dir=base_dir, overrides=overrides)
     return LoadedHypothesis(hypothesis=hyp, path=path, base_dir=base_dir, raw_text=text)

@@ -25,7 +25,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, Policy
 from btb_lab.policies.common import is_imbalanced, least_load, require_params, serving
 from btb_lab.records import Request

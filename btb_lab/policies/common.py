@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.errors import UserError
 from btb_lab.policies.base import ClusterView, InstanceLoad
 

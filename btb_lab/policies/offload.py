@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
 from btb_lab.policies.common import (
     cached_tokens,

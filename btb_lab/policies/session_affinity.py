@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
 from btb_lab.policies.common import least_outstanding, require_params, serving
 from btb_lab.records import Request

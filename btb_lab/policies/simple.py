@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, NoParams, Policy
 from btb_lab.policies.common import least_load, serving
 from btb_lab.records import Request

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from btb_lab.analysis.models import Summary
+from btb_lab.errors import UserError
+from btb_lab.results import Manifest
 
 __all__ = ["HypothesisRow", "latest_verdicts", "list_hypotheses"]
 
@@ -29,13 +32,12 @@ def latest_verdicts(results: Path) -> dict[str, tuple[str, str]]:
     for summary_path in results.rglob("summary.json"):
         run_dir = summary_path.parent
         try:
-            summary = json.loads(summary_path.read_text())
-            manifest = json.loads((run_dir / "manifest.json").read_text())
-            hid, run_id = str(summary["hypothesis"]), str(summary["run_id"])
-            word = str(summary["verdict"]["word"])
-        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            summary = Summary.load(run_dir)
+            manifest = Manifest.load(run_dir)
+        except UserError:
             continue
-        if (manifest.get("cli") or {}).get("options", {}).get("overrides"):
+        hid, run_id, word = summary.hypothesis, summary.run_id, summary.verdict.word
+        if (manifest.cli.get("options") or {}).get("overrides"):
             continue
         if hid not in best or run_id > best[hid][0]:
             best[hid] = (run_id, word, str(run_dir))

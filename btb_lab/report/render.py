@@ -11,13 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
+import pandas as pd
 
+from btb_lab.analysis.models import Comparison, RequestMetrics, Summary
+from btb_lab.analysis.scopes import measured_window
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
-from btb_lab.hypothesis.schema import Hypothesis
-from btb_lab.results import write_json
+from btb_lab.config.hypothesis import Hypothesis
+from btb_lab.config.metrics import METRICS
+from btb_lab.results import RunEntry
 
 __all__ = [
-    "TEMPLATES_DIR",
     "build_report",
     "entry_context",
     "kv_source_rows",
@@ -25,12 +29,12 @@ __all__ = [
     "result_lines",
 ]
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
-
 
 def _env() -> jinja2.Environment:
+    # Templates ship inside the package (btb_lab/report/templates), so an installed wheel
+    # renders reports as an editable checkout does.
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        loader=jinja2.PackageLoader("btb_lab.report", "templates"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -47,50 +51,54 @@ def _num(value: float | None, digits: int) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
-def _metric_line(m: dict[str, Any], *, counts: bool = True) -> str:
-    parts = [f"OK={m['ok']}/{m['n']}"] if counts else [f"n={m['n']}"]
+# the seed log's Result line: OK=198/200 TTFT50=1.075 TTFT90=9.384 TPOT90=0.0761 E2E50=5.075
+_RESULT_LINE_METRICS: tuple[tuple[str, int], ...] = (
+    ("ttft_p50", 3), ("ttft_p90", 3), ("tpot_p90", 4), ("e2e_p50", 3),
+)  # fmt: skip
+
+
+def _metric_line(m: RequestMetrics, *, counts: bool = True) -> str:
+    parts = [f"OK={m.ok}/{m.n}"] if counts else [f"n={m.n}"]
     parts += [
-        f"TTFT50={_num(m['ttft_p50'], 3)}",
-        f"TTFT90={_num(m['ttft_p90'], 3)}",
-        f"TPOT90={_num(m['tpot_p90'], 4)}",
-        f"E2E50={_num(m['e2e_p50'], 3)}",
+        f"{METRICS[name].label}={_num(m.value(name), digits)}"
+        for name, digits in _RESULT_LINE_METRICS
     ]
     return " ".join(parts)
 
 
-def result_lines(summary: dict[str, Any], baseline: str) -> list[str]:
+def result_lines(summary: Summary, baseline: str) -> list[str]:
     """The compact Result block: per variant one overall line, one line per class,
     routes, cache hits and GPU balance."""
     lines: list[str] = []
-    for name, v in summary["variants"].items():
+    for name, v in summary.variants.items():
         lines.append(f"[{name}{' (baseline)' if name == baseline else ''}]")
-        lines.append(_metric_line(v["all"]))
-        for cls, m in v["classes"].items():
+        lines.append(_metric_line(v.all))
+        for cls, m in v.classes.items():
             lines.append(f"{cls}: {_metric_line(m, counts=False)}")
-        if v["routes"]:
-            lines.append("Routes: " + ", ".join(f"{n} {r}" for r, n in v["routes"].items()))
-        cache = v["cache"]
-        if cache["hit_rate"] is not None:
+        if v.routes:
+            lines.append("Routes: " + ", ".join(f"{n} {r}" for r, n in v.routes.items()))
+        cache = v.cache
+        if cache.hit_rate is not None:
+            median = cache.median_fraction or 0.0
             lines.append(
-                f"Cache hit: {cache['hit_rate'] * 100:.1f}% of tokens, "
-                f"{cache['requests_with_hit']}/{v['all']['n']} requests, "
-                f"median per request {cache['median_fraction'] * 100:.0f}%"
+                f"Cache hit: {cache.hit_rate * 100:.1f}% of tokens, "
+                f"{cache.requests_with_hit}/{v.all.n} requests, "
+                f"median per request {median * 100:.0f}%"
             )
-        gpu = v["gpu"]
-        if gpu["max"] is not None:
-            imbalance = "n/a" if gpu["imbalance"] is None else f"{gpu['imbalance']:.2f}x"
-            lines.append(
-                f"GPU imbalance={imbalance} std={gpu['std'] * 100:.1f}% max={gpu['max'] * 100:.1f}%"
-            )
+        gpu = v.gpu
+        if gpu.max is not None:
+            imbalance = "n/a" if gpu.imbalance is None else f"{gpu.imbalance:.2f}x"
+            std = gpu.std or 0.0
+            lines.append(f"GPU imbalance={imbalance} std={std * 100:.1f}% max={gpu.max * 100:.1f}%")
     return lines
 
 
-def engine_lines(runs: list[dict[str, Any]]) -> list[str]:
+def engine_lines(runs: list[RunEntry]) -> list[str]:
     """Per run, what the engines themselves reported (real clusters only): each instance's
     prefix-cache hit rate over the run from vLLM's /metrics, and the load driver's lag."""
     lines: list[str] = []
     for entry in runs:
-        extra = entry.get("extra") or {}
+        extra = entry.extra
         rates = (extra.get("metrics") or {}).get("cache_hit_rate")
         if not rates:
             continue
@@ -98,9 +106,7 @@ def engine_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"{name} {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
             for name, rate in sorted(rates.items())
         )
-        line = (
-            f"{entry.get('variant')} r{int(entry.get('repeat', 0)) + 1}: prefix-cache hit {shown}"
-        )
+        line = f"{entry.variant} r{entry.repeat + 1}: prefix-cache hit {shown}"
         driver = extra.get("driver") or {}
         if driver.get("lag_p99_ms") is not None:
             line += f"; driver send lag p99 {float(driver['lag_p99_ms']):.2f} ms"
@@ -112,17 +118,17 @@ def _mib(value: float) -> str:
     return f"{value / 2**20:.2f}"
 
 
-def kv_source_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
+def kv_source_rows(runs: list[RunEntry]) -> list[dict[str, str]]:
     """Per run and instance, where prompt KV came from (real clusters only; the cluster
     backend stores it as `extra.metrics.kv_sources`): local prefix-cache hits, external
     hits (KV received through the connector), computed tokens, and the KV moved in. A
     `total` row per run sums the KV moved."""
     rows: list[dict[str, str]] = []
     for entry in runs:
-        sources = ((entry.get("extra") or {}).get("metrics") or {}).get("kv_sources")
+        sources = (entry.extra.get("metrics") or {}).get("kv_sources")
         if not sources:
             continue
-        label = f"{entry.get('variant')} r{int(entry.get('repeat', 0)) + 1}"
+        label = f"{entry.variant} r{entry.repeat + 1}"
         total_bytes = total_s = transfers = 0.0
         for name, kv in sorted(sources.items()):
             rows.append({
@@ -178,6 +184,7 @@ def _variant_text(hyp: Hypothesis, name: str) -> str:
     if params:
         text += f" ({params})"
     overrides = {**{f"sim.{k}": val for k, val in v.sim.items()},
+                 **{f"costs.{k}": val for k, val in v.costs.items()},
                  **{f"cluster.{k}": val for k, val in v.cluster.items()}}  # fmt: skip
     if overrides:
         text += "; overrides " + ", ".join(f"{k}={val}" for k, val in sorted(overrides.items()))
@@ -190,19 +197,152 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 100:+.1f}%"
 
 
+_OUTCOME_WORDS = {
+    "holds": "beyond",
+    "straddles": "straddles (needs more repeats)",
+    "small": "within (short of it)",
+    "noise": "within (no effect)",
+    "reversed": "reversed",
+    "undefined": "undefined",
+}
+_METHOD_WORDS = {
+    "window": "paired bootstrap, exact (quantile window + aggregate cells)",
+    "cells": "paired bootstrap, exact (outcome cells)",
+    "rows": "paired bootstrap, exact (rows drawn by index)",
+    "normal": "normal approximation of the paired bootstrap (run too large to resample rows)",
+    "unpaired": "bootstrap of each variant's time samples (or requests without shared ids) on "
+    "its own, the same repeats drawn for both",
+}
+
+
+def _agreement(c: Comparison) -> str:
+    total = sum(x is not None for x in c.repeat_changes)
+    if total < 2:
+        return "1 repeat" if total == 1 else "n/a"
+    text = f"{c.repeats_agree}/{total}"
+    if c.repeats_contradict:
+        text += f" ({c.repeats_contradict} against)"
+    unchanged = total - c.repeats_agree - c.repeats_contradict
+    return text + (f" ({unchanged} unchanged)" if unchanged else "")
+
+
+def _level(c: Comparison) -> str:
+    return "n/a" if c.level is None else f"{c.level * 100:.4g}%"
+
+
 def _comparisons(run: AnalyzedRun) -> list[dict[str, str]]:
     rows = []
     metric = run.hypothesis.verdict.metric
-    for name, vv in run.summary["verdict"]["variants"].items():
-        comps = [vv["primary"], *vv["per_class"]] if vv["primary"] else []
+    for name, vv in run.summary.verdict.variants.items():
+        comps = [vv.primary, *vv.per_class] if vv.primary else []
         for c in comps:
+            scope = c.scope + (f", pool {c.pool}" if c.pool else "")
+            p = "n/a" if c.p_value is None else f"{c.p_value:.3g}"
+            if c.adjustment == "holm" and c.p_adjusted is not None:
+                p += f" → {c.p_adjusted:.3g}"
             rows.append({
-                "variant": name, "scope": c["scope"], "metric": metric,
-                "baseline": _num(c["baseline"], 4), "value": _num(c["value"], 4),
-                "change": _pct(c["change"]),
-                "ci": f"[{_pct(c['ci_low'])}, {_pct(c['ci_high'])}]", "outcome": c["outcome"],
+                "variant": name, "scope": scope, "metric": metric,
+                "baseline": _num(c.baseline, 4), "value": _num(c.value, 4),
+                "change": _pct(c.change), "ci": f"[{_pct(c.ci_low)}, {_pct(c.ci_high)}]",
+                "level": _level(c), "outcome": _OUTCOME_WORDS[c.outcome], "p": p,
+                "repeats": _agreement(c),
             })  # fmt: skip
     return rows
+
+
+def _statistics(run: AnalyzedRun) -> list[str]:
+    """How the intervals were made and adjusted, and how the repeats agree, in words."""
+    rule = run.hypothesis.verdict
+    lines: list[str] = []
+    primaries = {n: vv.primary for n, vv in run.summary.verdict.variants.items() if vv.primary}
+    methods = sorted({c.method for c in primaries.values() if c.method})
+    if methods:
+        lines.append(
+            f"Intervals: {rule.bootstrap_samples} resamples, "
+            + "; ".join(_METHOD_WORDS.get(m, m) for m in methods)
+            + f"; outcomes read off the interval against the {rule.min_effect * 100:g}% "
+            "minimum effect (beyond → VALIDATED, within or reversed → REJECTED, straddling "
+            "→ INCONCLUSIVE)."
+        )
+    k = max((c.comparisons for c in primaries.values()), default=1)
+    if any(c.adjustment == "holm" for c in primaries.values()):
+        lines.append(
+            f"Multiplicity: {k} variants against `{run.hypothesis.baseline}`, primary "
+            'intervals Holm-adjusted (step-down on the one-sided bootstrap p of "not beyond '
+            'the minimum effect"; levels per comparison in the table); per-class checks '
+            "unadjusted."
+        )
+    elif len(primaries) >= 2:
+        lines.append(f"Multiplicity: {len(primaries)} comparisons, not adjusted "
+                     "(`verdict.multiplicity: none`).")  # fmt: skip
+    else:
+        lines.append("Multiplicity: one comparison, nothing to adjust.")
+    for name, c in primaries.items():
+        total = sum(x is not None for x in c.repeat_changes)
+        if total >= 2:
+            changes = ", ".join(_pct(x) for x in c.repeat_changes)
+            against = f", {c.repeats_contradict} against" if c.repeats_contradict else ""
+            lines.append(
+                f"Repeats ({name}): {c.repeats_agree} of {total} agree in direction{against} "
+                f"({changes})" + ("; every repeat must agree" if rule.require_all_repeats else "")
+            )
+        elif total == 1:
+            lines.append(f"Repeats ({name}): one repeat, no direction check across repeats.")
+    return lines
+
+
+def _breakdown(summary: Summary, attr: str, limit: int = 40) -> list[dict[str, str]]:
+    """Rows of the per-pool / per-window table: one per scope × variant."""
+    rows: list[dict[str, str]] = []
+    scopes: list[str] = []
+    for v in summary.variants.values():
+        for key in getattr(v, attr):
+            if key not in scopes:
+                scopes.append(key)
+    for scope in scopes[:limit]:
+        for name, v in summary.variants.items():
+            m = getattr(v, attr).get(scope)
+            if m is None:
+                continue
+            rows.append({
+                "scope": scope, "variant": name, "ok": f"{m.ok}/{m.n}",
+                "ttft_p50": _num(m.ttft_p50, 3), "ttft_p90": _num(m.ttft_p90, 3),
+                "ttft_p99": _num(m.ttft_p99, 3), "ttft_mean": _num(m.ttft_mean, 3),
+                "e2e_p50": _num(m.e2e_p50, 3), "e2e_p90": _num(m.e2e_p90, 3),
+            })  # fmt: skip
+    return rows
+
+
+def _repeats_text(run: AnalyzedRun) -> str:
+    hyp = run.hypothesis
+    done = run.summary.repeats or hyp.repeats
+    auto = hyp.auto_repeats
+    if auto is None:
+        return str(done)
+    target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
+    return (
+        f"{done} (auto: {auto.min} to {auto.max}, until every primary interval's half-width "
+        f"is at most {target * 100:g} points)"
+    )
+
+
+def _exclusion_text(run: AnalyzedRun) -> str:
+    ex = run.summary.exclusion
+    if ex is None:
+        return ""
+    parts = []
+    if ex.first_s or ex.last_s:
+        parts.append(f"requests arriving in the first {ex.first_s:g} s and last {ex.last_s:g} s")
+    if ex.first_requests or ex.last_requests:
+        parts.append(f"the first {ex.first_requests} and last {ex.last_requests} requests")
+    counts = ", ".join(
+        f"{name} {ex.excluded.get(name, 0)} of {ex.excluded.get(name, 0) + ex.kept.get(name, 0)}"
+        for name in run.summary.variants
+    )
+    return (
+        "Warmup / cooldown excluded from every metric and the verdict (by target send time, "
+        f"the same on every backend): {' and '.join(parts)} of each repeat; left out: {counts}."
+    )
 
 
 # facts already printed elsewhere in the report (variants, topology) or too bulky for it;
@@ -218,44 +358,48 @@ def _shown_fidelity(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def entry_context(run: AnalyzedRun) -> dict[str, Any]:
-    """Everything the report and log templates print, preformatted."""
+def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Everything the report and log templates print, preformatted (`timeline`: the first
+    repeat's events, when the caller has them already)."""
     hyp = run.hypothesis
     manifest = run.manifest
     summary = run.summary
-    counts = sorted({int(r["requests"]) for r in manifest.get("runs", []) if "requests" in r})
-    requests_per_run: Any = manifest.get("requests_per_run")
+    runs = manifest.runs
+    counts = sorted({r.requests for r in runs})
+    requests_per_run: Any = manifest.requests_per_run
     if len(counts) > 1:
         requests_per_run = f"{counts[0]}–{counts[-1]}"
     elif counts:
         requests_per_run = counts[0]
-    fidelity = _shown_fidelity(summary["fidelity"])
+    fidelity = _shown_fidelity(summary.fidelity)
     per_variant_fidelity = {
         name: shown
-        for name, diff in summary["fidelity"].get("per_variant", {}).items()
+        for name, diff in summary.fidelity.get("per_variant", {}).items()
         if (shown := _shown_fidelity(diff))
     }
-    runs = manifest.get("runs", [])
     rule = hyp.verdict
     claim_metric = rule.metric + (f" ({rule.klass})" if rule.klass else "")
+    if rule.pool:
+        claim_metric += f" in pool `{rule.pool}`"
     return {
         "id": hyp.id,
         "title": hyp.title,
         "claim": hyp.claim.strip(),
         "prior_evidence": (hyp.prior_evidence or "").strip(),
         "seed_verdict": hyp.seed_verdict,
-        "backend": summary["backend"],
-        "telemetry": manifest.get("telemetry_source", ""),
+        "backend": summary.backend,
+        "telemetry": manifest.telemetry_source or "",
         "model": _model(hyp),
         "topology": _topology(hyp),
         "workload": _workload(hyp),
         "requests": requests_per_run if requests_per_run is not None else "n/a",
         "time_scale": f"{hyp.workload.time_scale:g}",
         "block_tokens": hyp.workload.block_tokens,
-        "repeats": hyp.repeats,
+        "repeats": _repeats_text(run),
         "seed": hyp.seed,
-        "variants": [_variant_text(hyp, n) for n in manifest.get("variants", hyp.variants)],
+        "variants": [_variant_text(hyp, n) for n in manifest.variants or hyp.variants],
         "fidelity": [f"{k}={v}" for k, v in fidelity.items()],
+        "aliases": manifest.aliases,
         "per_variant_fidelity": [
             f"{name}: " + ", ".join(f"{k}={v}" for k, v in diff.items())
             for name, diff in per_variant_fidelity.items()
@@ -275,15 +419,92 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
         "engine_lines": engine_lines(runs),
         "kv_source_rows": kv_source_rows(runs),
         "comparisons": _comparisons(run),
-        "verdict_word": summary["verdict"]["word"],
-        "verdict_reason": summary["verdict"]["reason"],
-        "complete": summary["complete"],
-        "runs_done": sum(1 for r in runs if r.get("status") == "ok"),
-        "runs_planned": manifest.get("runs_planned", len(runs)),
-        "run_id": summary.get("run_id") or run.run_dir.name,
+        "statistics": _statistics(run),
+        "exclusion": _exclusion_text(run),
+        "pools": _breakdown(summary, "pools"),
+        "windows": _breakdown(summary, "windows"),
+        "windows_total": len({w for v in summary.variants.values() for w in v.windows}),
+        "timeline_origins": _origins(
+            timeline if timeline is not None else first_repeat_events(run)
+        ),
+        "verdict_word": summary.verdict.word,
+        "verdict_reason": summary.verdict.reason,
+        "complete": summary.complete,
+        "runs_done": manifest.runs_ok,
+        "runs_planned": manifest.runs_planned,
+        "failures": [
+            {"run": f"{r.variant} r{r.repeat + 1}", "error": r.error, "file": r.error_file}
+            for r in runs
+            if r.status == "failed"
+        ],
+        "run_error": manifest.error,
+        "run_error_file": manifest.error_file,
+        "run_id": summary.run_id or run.run_dir.name,
         "run_dir": str(run.run_dir),
         "plots": [],
     }
+
+
+_ORIGIN_WORDS = {
+    "engine": "recorded by the simulator's engine",
+    "router": "recorded by the router as it happened",
+    "policy": "the policy's own decisions",
+    "vllm_metrics": "vLLM's /metrics gauges, scraped periodically",
+    "records": "reconstructed from the request records' time stamps",
+}
+_ORIGIN_NOTES = {
+    ("warm_copy", "policy"): "the copy starts when decided and lands after the cost model's "
+    "transfer time (setup + bytes / link bandwidth; a busy link's wait is not seen)",
+    ("waiting", "records"): "a request waits from its send until its prefill starts",
+    ("running", "records"): "a request runs from its prefill start until it finishes",
+    ("kv_transfer", "records"): "from the first token back by the request's kv_transfer_s",
+}
+
+
+def first_repeat_events(run: AnalyzedRun) -> pd.DataFrame:
+    """The first repeat's events as the timeline draws them (stored, plus what the records
+    reconstruct)."""
+    from btb_lab.analysis.timeline import timeline_events
+
+    records = run.all_records
+    if records.empty:
+        return run.events
+    first = records[records["repeat"] == records["repeat"].min()]
+    events = run.events
+    if not events.empty:
+        events = events[events["repeat"] == first["repeat"].min()]
+    return timeline_events(first, events)
+
+
+def _origins(merged: pd.DataFrame) -> list[str]:
+    """Where each kind of timeline event came from (events.parquet's `origin`)."""
+    if merged.empty:
+        return []
+    lines = []
+    for kind, rows in merged.groupby("kind", sort=True):
+        words = []
+        for origin in sorted(set(rows["origin"].astype(str))):
+            note = _ORIGIN_NOTES.get((str(kind), origin))
+            words.append(_ORIGIN_WORDS.get(origin, origin) + (f" ({note})" if note else ""))
+        lines.append(f"`{kind}`: " + "; ".join(words))
+    return lines
+
+
+def _excluded_spans(run: AnalyzedRun) -> list[tuple[float, float]]:
+    """The warmup and cooldown of the first repeat, as time spans for the timeline."""
+    rule = run.hypothesis.verdict.exclude
+    rows = run.all_records
+    if rule is None or not rule.active or rows.empty:
+        return []
+    rows = rows[
+        (rows["repeat"] == rows["repeat"].min()) & (rows["variant"] == rows["variant"].iloc[0])
+    ]
+    window = measured_window(rows, rule)
+    if window is None:
+        return []
+    start = float(rows["arrival_s"].min())
+    end = float(np.nanmax(rows["finish_s"].to_numpy(float)))
+    return [(start, window[0]), (window[1], end)]
 
 
 def build_report(run_dir: Path) -> AnalyzedRun:
@@ -291,11 +512,13 @@ def build_report(run_dir: Path) -> AnalyzedRun:
     from btb_lab.report.plots import write_plots
 
     run = analyze_run(run_dir)
-    write_json(run_dir / "summary.json", run.summary)
-    context = entry_context(run)
+    run.summary.save(run_dir)
+    timeline = first_repeat_events(run)
+    context = entry_context(run, timeline)
     context["plots"] = write_plots(
         run_dir / "plots", run.records, run.utilization,
-        list(run.summary["variants"]), [r.name for r in run.hypothesis.classes],
+        list(run.summary.variants), [r.name for r in run.hypothesis.classes],
+        all_records=run.all_records, events=timeline, excluded=_excluded_spans(run),
     )  # fmt: skip
     (run_dir / "report.md").write_text(render_template("report.md.j2", context), encoding="utf-8")
     return run

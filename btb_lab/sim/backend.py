@@ -1,62 +1,42 @@
-"""The embedded simulator as a `Backend` (registered as "sim"), plus `simulate`, the plain
-library entry point for running one variant without the runner."""
+"""The embedded simulator as a `Backend` ("sim"), plus `simulate`, the plain library entry
+point for running one variant without the runner.
+
+The backend receives a variant-resolved hypothesis and that variant's cost model (built
+once by the runner): it reads `hypothesis.sim` for the fidelity settings and hands the
+cost model to the engine, so the engine and the policies price work identically.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from btb_lab.backends import BACKENDS, BackendResult, RunContext
+from pydantic import ValidationError
+
+from btb_lab.backends import BackendResult, RunContext
+from btb_lab.config.sim import SimSettings
+from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import UserError
-from btb_lab.policies.base import Policy, build_policy
+from btb_lab.events import EventLog
+from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
+from btb_lab.policies.base import ClusterView, Decision, Policy, build_policy
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.engine import Engine
-from btb_lab.sim.hardware import InstanceSpec, build_instances, resolve_model
-from btb_lab.sim.settings import SimSettings
 
 if TYPE_CHECKING:
-    from btb_lab.hypothesis.schema import ClusterSpec, Hypothesis, Variant
+    from btb_lab.config.hypothesis import Hypothesis
 
 __all__ = [
     "ENGINE_VERSION",
     "SimBackend",
-    "effective_cluster",
-    "effective_settings",
     "fidelity_facts",
     "run_engine",
     "simulate",
+    "tap_warm_decisions",
 ]
 
 ENGINE_VERSION = "2"  # 2: kv_prefix_sharing (on by default) changes the numbers
 _WRITE_BATCH = 4096
-
-
-def effective_settings(hypothesis: Hypothesis, variant: Variant) -> SimSettings:
-    """The hypothesis `sim:` block with the variant's overrides merged and revalidated."""
-    merged = {**hypothesis.sim.model_dump(), **variant.sim}
-    try:
-        return SimSettings.model_validate(merged)
-    except Exception as exc:  # pydantic.ValidationError, reported as a user mistake
-        raise UserError(f"variant sim overrides are invalid: {exc}") from exc
-
-
-def effective_cluster(hypothesis: Hypothesis, variant: Variant) -> ClusterSpec:
-    """The hypothesis `cluster:` block with the variant's overrides merged (one level deep
-    for nested blocks such as kv_connector)."""
-    from btb_lab.hypothesis.schema import ClusterSpec
-
-    if not variant.cluster:
-        return hypothesis.cluster
-    base = hypothesis.cluster.model_dump()
-    for key, value in variant.cluster.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            base[key] = {**base[key], **value}
-        else:
-            base[key] = value
-    try:
-        return ClusterSpec.model_validate(base)
-    except Exception as exc:
-        raise UserError(f"variant cluster overrides are invalid: {exc}") from exc
 
 
 def _block_tokens(requests: Sequence[Request]) -> int:
@@ -70,14 +50,16 @@ def _block_tokens(requests: Sequence[Request]) -> int:
 
 def fidelity_facts(
     settings: SimSettings,
-    instances: list[InstanceSpec],
+    costs: RooflineCostModel,
     policy: Policy,
     block_tokens: int,
     kv_connector: str,
 ) -> dict[str, Any]:
     """Every setting and hardware fact that shapes the simulated numbers."""
+    instances = costs.instances
     model = instances[0].model
     facts: dict[str, Any] = {f"sim.{k}": v for k, v in settings.model_dump().items()}
+    facts.update(costs.facts())
     facts.update(
         {
             "backend": "sim",
@@ -118,7 +100,7 @@ def fidelity_facts(
 
 
 def run_engine(
-    instances: list[InstanceSpec],
+    costs: RooflineCostModel,
     settings: SimSettings,
     policy: Policy,
     requests: Sequence[Request],
@@ -130,7 +112,7 @@ def run_engine(
 ) -> tuple[list[UtilSample], dict[str, float], Engine]:
     """Run one engine over `requests`; lower-level than `simulate` (tests and bench)."""
     engine = Engine(
-        instances,
+        costs,
         settings,
         policy,
         block_tokens=_block_tokens(requests),
@@ -139,28 +121,7 @@ def run_engine(
         audit=audit,
     )
     result = engine.run(requests, emit)
-    for sample in result.utilization:
-        sample.source = "sim"
     return result.utilization, result.stats, engine
-
-
-def _prepare(
-    hypothesis: Hypothesis, variant_name: str, seed: int
-) -> tuple[SimSettings, ClusterSpec, list[InstanceSpec], Policy]:
-    if variant_name not in hypothesis.variants:
-        raise UserError(
-            f"unknown variant {variant_name!r}; variants: {', '.join(hypothesis.variants)}"
-        )
-    variant = hypothesis.variants[variant_name]
-    settings = effective_settings(hypothesis, variant)
-    cluster = effective_cluster(hypothesis, variant)
-    instances = build_instances(
-        resolve_model(hypothesis.model),
-        cluster,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-    )
-    policy = build_policy(variant.router.policy, variant.router.params, seed=seed)
-    return settings, cluster, instances, policy
 
 
 def simulate(
@@ -172,24 +133,59 @@ def simulate(
     repeat: int = 0,
 ) -> tuple[list[RequestRecord], list[UtilSample], dict[str, Any]]:
     """Simulate one variant of a hypothesis: (records, utilization, fidelity)."""
-    settings, cluster, instances, policy = _prepare(hypothesis, variant_name, seed)
+    if variant_name not in hypothesis.variants:
+        raise UserError(
+            f"unknown variant {variant_name!r}; variants: {', '.join(hypothesis.variants)}"
+        )
+    try:
+        resolved = resolve_variant(hypothesis, variant_name)
+    except ValidationError as exc:
+        raise UserError(f"variant {variant_name!r}: sim overrides are invalid: {exc}") from None
+    costs = build_cost_model(resolved)
+    router = hypothesis.variants[variant_name].router
+    policy = build_policy(router.policy, router.params, seed=seed)
     records: list[RequestRecord] = []
     util, stats, _ = run_engine(
-        instances,
-        settings,
-        policy,
-        requests,
-        records.append,
-        variant=variant_name,
+        costs, resolved.sim, policy, requests, records.append, variant=variant_name,
         repeat=repeat,
-    )
+    )  # fmt: skip
     fidelity = fidelity_facts(
-        settings, instances, policy, _block_tokens(requests), cluster.kv_connector.type
+        resolved.sim, costs, policy, _block_tokens(requests), resolved.cluster.kv_connector.type
     )
     fidelity["stats"] = stats
-    for sample in util:
-        sample.source = "sim"
     return records, util, fidelity
+
+
+def tap_warm_decisions(policy: Policy, log: EventLog) -> None:
+    """Record the warm copies `policy` asks for, seen from outside the engine: started when
+    decided, landing when the cost model says a copy of that size takes (setup + bytes /
+    link bandwidth; no waiting for a busy link). Until the engine records its copies
+    itself, this is the simulator's `warm_copy` event (origin `policy`).
+
+    The tap shadows the instance's `route` (the engine calls `policy.route`); the class is
+    left alone, so the engine's check for an `on_finish` override still holds."""
+    route = policy.route
+
+    def tapped(request: Request, view: ClusterView) -> Decision:
+        decision = route(request, view)
+        for action in decision.warm:
+            n = min(action.n_blocks, len(request.block_hashes))
+            tokens = n * request.block_tokens
+            if tokens <= 0:
+                continue
+            names = [inst.name for inst in view.instances]
+            now = view.now_s
+            if action.mode == "rdma" and action.source is not None:
+                done = now + view.costs.transfer_s(tokens, action.source, action.target)
+                source = names[action.source]
+            else:
+                done = now + view.costs.prefill_s(action.target, tokens)
+                source = ""
+            log.warm_copy(now, done, names[action.target], source, tokens,
+                          mode=action.mode, request_id=request.request_id)  # fmt: skip
+        return decision
+
+    policy.route = tapped  # type: ignore[method-assign]
 
 
 class SimBackend:
@@ -198,7 +194,10 @@ class SimBackend:
     name = "sim"
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
-        settings, cluster, instances, policy = _prepare(ctx.hypothesis, ctx.variant_name, ctx.seed)
+        hyp = ctx.hypothesis
+        policy = build_policy(ctx.variant.router.policy, ctx.variant.router.params, seed=ctx.seed)
+        log = EventLog("policy")
+        tap_warm_decisions(policy, log)
         total = len(requests)
         buffer: list[RequestRecord] = []
         done = 0
@@ -214,28 +213,22 @@ class SimBackend:
                 ctx.progress(done, total)
 
         util, stats, _ = run_engine(
-            instances,
-            settings,
-            policy,
-            requests,
-            emit,
-            variant=ctx.variant_name,
+            ctx.costs, hyp.sim, policy, requests, emit, variant=ctx.variant_name,
             repeat=ctx.repeat,
-        )
+        )  # fmt: skip
         if buffer:
             ctx.sink.write(buffer)
             done += len(buffer)
             buffer.clear()
         ctx.progress(done, total)
         fidelity = fidelity_facts(
-            settings, instances, policy, _block_tokens(requests), cluster.kv_connector.type
+            hyp.sim, ctx.costs, policy, _block_tokens(requests), hyp.cluster.kv_connector.type
         )
+        log.extend(policy.events)
         return BackendResult(
             utilization=util,
+            events=log.records(),
             fidelity=fidelity,
             telemetry_source="sim",
             extra={"sim_stats": stats},
         )
-
-
-BACKENDS.add("sim", SimBackend)

@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from btb_lab.config.costs import CostSettings
+from btb_lab.config.sim import SimSettings
+from btb_lab.model.costmodel import RooflineCostModel
+from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS, InstanceSpec, make_instance
 from btb_lab.policies.base import ClusterView, Decision, Policy, build_policy
 from btb_lab.records import Request, RequestRecord
 from btb_lab.sim.backend import run_engine
-from btb_lab.sim.hardware import GPU_PRESETS, MODEL_PRESETS, InstanceSpec, make_instance
-from btb_lab.sim.settings import SimSettings
 
 __all__ = ["BenchCacheAware", "BenchResult", "bench_instances", "bench_workload", "run_bench"]
 
@@ -128,7 +130,7 @@ def run_bench(n_requests: int = 200_000, *, repeats: int = 3, policy: str = "") 
     import resource
 
     requests = bench_workload(n_requests)
-    instances = bench_instances()
+    costs = RooflineCostModel(bench_instances(), CostSettings())
     settings = SimSettings(kv_visibility="at_admission")
     runs: list[float] = []
     cpu_runs: list[float] = []
@@ -144,7 +146,7 @@ def run_bench(n_requests: int = 200_000, *, repeats: int = 3, policy: str = "") 
         gc.collect()
         t0 = time.perf_counter()
         c0 = time.process_time()
-        _, stats, engine = run_engine(instances, settings, make(), requests, kept.append)
+        _, stats, engine = run_engine(costs, settings, make(), requests, kept.append)
         runs.append(time.perf_counter() - t0)
         cpu_runs.append(time.process_time() - c0)
         events = int(stats["events"])
@@ -156,7 +158,7 @@ def run_bench(n_requests: int = 200_000, *, repeats: int = 3, policy: str = "") 
     if n_requests <= TRACE_LIMIT:  # tracemalloc slows a run ~3×; RSS covers big ones
         tracemalloc.start()
         kept = []
-        run_engine(instances, settings, make(), requests, kept.append)
+        run_engine(costs, settings, make(), requests, kept.append)
         _, traced_peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         del kept

@@ -47,12 +47,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from btb_lab.config.sim import SimSettings
 from btb_lab.errors import UserError
+from btb_lab.model.costmodel import InstanceCosts, RooflineCostModel
+from btb_lab.model.hardware import InstanceSpec
 from btb_lab.policies.base import Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord, UtilSample
-from btb_lab.sim.costs import SimCostModel
-from btb_lab.sim.hardware import InstanceSpec
-from btb_lab.sim.settings import SimSettings
 
 __all__ = ["Engine", "SimInvariantError", "WarmLogEntry"]
 
@@ -190,7 +190,9 @@ class _Inst:
         "waiting",
     )
 
-    def __init__(self, spec: InstanceSpec, settings: SimSettings, block_tokens: int) -> None:
+    def __init__(
+        self, spec: InstanceSpec, costs: InstanceCosts, settings: SimSettings, block_tokens: int
+    ) -> None:
         self.spec = spec
         self.index = spec.index
         self.name = spec.name
@@ -231,14 +233,13 @@ class _Inst:
         self.mem_bin = -1
         self.mem_peak = 0
         self.mem_samples: dict[int, int] = {}
-        # Closed-form coefficients (seconds).
-        self.p_tok_s = 2.0 * spec.model.active_params / (spec.flops * settings.mfu)
+        # Closed-form coefficients (seconds), from the shared cost model.
+        self.p_tok_s = costs.prefill_token_s
         slow = 1.0 + (settings.connector_decode_slowdown if spec.kv_connector else 0.0)
-        bw = spec.hbm_bw * settings.mbu
-        self.dW = spec.model.active_weight_bytes / bw * slow
-        self.dK = kvb / bw * slow
-        self.ram_tok_s = kvb / spec.ram_bw
-        self.disk_tok_s = kvb / spec.disk_bw
+        self.dW = costs.decode_step_s * slow
+        self.dK = costs.decode_context_token_s * slow
+        self.ram_tok_s = costs.ram_token_s
+        self.disk_tok_s = costs.disk_token_s
 
 
 def _lead(cache: dict[int, Any] | OrderedDict[int, None], hashes: Sequence[int]) -> int:
@@ -289,7 +290,7 @@ class Engine:
 
     def __init__(
         self,
-        instances: list[InstanceSpec],
+        costs: RooflineCostModel,
         settings: SimSettings,
         policy: Policy,
         *,
@@ -298,6 +299,7 @@ class Engine:
         repeat: int = 0,
         audit: bool = False,
     ) -> None:
+        instances = costs.instances
         if not instances:
             raise UserError("the cluster has no instances")
         self.specs = instances
@@ -313,10 +315,13 @@ class Engine:
         self.sharing = settings.kv_prefix_sharing
         self.shared_attn = settings.shared_prefix_attention and self.sharing
         self.max_batch = settings.max_batch
-        self.setup_s = settings.transfer_setup_ms / 1e3
+        self.setup_s = costs.transfer_setup_s
         self.dt = settings.sample_interval_s
-        self.insts = [_Inst(s, settings, block_tokens) for s in instances]
-        self.costs = SimCostModel(instances, settings.mfu, self.setup_s)
+        self.insts = [
+            _Inst(s, c, settings, block_tokens)
+            for s, c in zip(instances, costs.per_instance, strict=True)
+        ]
+        self.costs = costs
         self.view = _View(self)
         self.disk: set[int] = set()
         self.heap: list[tuple[float, int, int, int, int, Any]] = []

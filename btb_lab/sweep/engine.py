@@ -31,11 +31,14 @@ import yaml
 
 from btb_lab.errors import UserError
 from btb_lab.sweep.plan import PointTask, SweepPoint, expand_points, overrides_digest
+from btb_lab.sweep.series import point_series, write_series_plots
 from btb_lab.sweep.spec import LoadedSweep, load_sweep
 from btb_lab.sweep.table import build_table, write_outputs
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from btb_lab.analysis.models import Summary
 
 __all__ = [
     "RunPointFn",
@@ -102,13 +105,15 @@ def _point_record(task: PointTask, base_digest: str) -> dict[str, Any]:
 
 def is_point_complete(task: PointTask, base_digest: str) -> bool:
     """True when the point's run finished and was made from the same inputs."""
+    from btb_lab.results import Manifest
+
     run_dir = Path(task.run_dir)
     try:
-        manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+        manifest = Manifest.load(run_dir)
         point = json.loads((run_dir / "point.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, UserError):
         return False
-    if manifest.get("complete") is not True or not (run_dir / "summary.json").is_file():
+    if not manifest.complete or not (run_dir / "summary.json").is_file():
         return False
     expected = _point_record(task, base_digest)
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
@@ -229,14 +234,15 @@ def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
-def read_summaries(tasks: Sequence[PointTask]) -> dict[str, dict[str, Any] | None]:
-    """Each point's summary.json (None where the point has none)."""
-    out: dict[str, dict[str, Any] | None] = {}
+def read_summaries(tasks: Sequence[PointTask]) -> dict[str, Summary | None]:
+    """Each point's summary.json (None where the point has none or it is unreadable)."""
+    from btb_lab.analysis.models import Summary
+
+    out: dict[str, Summary | None] = {}
     for task in tasks:
-        path = Path(task.run_dir) / "summary.json"
         try:
-            out[task.point_id] = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            out[task.point_id] = Summary.load(Path(task.run_dir))
+        except UserError:
             out[task.point_id] = None
     return out
 
@@ -351,5 +357,10 @@ def run_sweep(
         label_columns=label_columns,
         variants=variants,
         title=title,
+    )
+    metric = loaded.spec.table.plot_metric or loaded.spec.table.metrics[0]
+    series = point_series(tasks, variants, metric, loaded.spec.table.scope)
+    outcome.outputs.update(
+        write_series_plots(series, sweep_dir, label_columns, variants, metric, title)
     )
     return outcome

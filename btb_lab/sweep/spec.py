@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.errors import UserError, ValidationFailed
 
 __all__ = ["LoadedSweep", "SweepPointSpec", "SweepSpec", "TableSpec", "load_sweep"]

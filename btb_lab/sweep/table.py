@@ -16,6 +16,8 @@ from btb_lab.sweep.spec import TableSpec
 if TYPE_CHECKING:
     import pandas as pd
 
+    from btb_lab.analysis.models import Summary
+
 __all__ = [
     "build_table",
     "metric_value",
@@ -36,23 +38,18 @@ def reduction_column(variant: str, baseline: str, metric: str) -> str:
     return f"{metric} reduction % ({variant} vs {baseline})"
 
 
-def metric_value(summary: Mapping[str, Any], variant: str, metric: str, scope: str) -> float:
+def metric_value(summary: Summary | None, variant: str, metric: str, scope: str) -> float:
     """One number out of a run's summary.json; NaN when absent (e.g. no HEAVY requests)."""
-    block = summary.get("variants", {}).get(variant)
+    block = summary.variants.get(variant) if summary is not None else None
     if block is None:
         return math.nan
-    if metric.startswith("gpu_"):
-        value = block.get("gpu", {}).get(metric.removeprefix("gpu_"))
-    elif scope == "all":
-        value = block.get("all", {}).get(metric)
-    else:
-        value = block.get("classes", {}).get(scope, {}).get(metric)
+    value = block.value(metric, scope)
     return math.nan if value is None else float(value)
 
 
 def build_table(
     points: Sequence[SweepPoint],
-    summaries: Mapping[str, Mapping[str, Any] | None],
+    summaries: Mapping[str, Summary | None],
     table: TableSpec,
     baseline: str,
 ) -> pd.DataFrame:
@@ -63,7 +60,7 @@ def build_table(
     variants = list(table.variants or [])
     if not variants:
         for summary in summaries.values():
-            for name in (summary or {}).get("variants", {}):
+            for name in summary.variants if summary is not None else ():
                 if name not in variants:
                     variants.append(name)
     if baseline in variants:  # baseline first, the others in their order
@@ -76,7 +73,7 @@ def build_table(
         row["point_id"] = point.point_id
         row["status"] = "ok" if summary is not None else "failed"
         for metric in table.metrics:
-            values = {v: metric_value(summary or {}, v, metric, table.scope) for v in variants}
+            values = {v: metric_value(summary, v, metric, table.scope) for v in variants}
             for v in variants:
                 row[value_column(v, metric)] = values[v]
             if table.reductions and baseline in values:
@@ -86,8 +83,7 @@ def build_table(
                         continue
                     red = (base - values[v]) / base * 100.0 if base else math.nan
                     row[reduction_column(v, baseline, metric)] = red
-        verdict = (summary or {}).get("verdict", {})
-        row["verdict"] = verdict.get("word", "") if isinstance(verdict, Mapping) else ""
+        row["verdict"] = summary.verdict.word if summary is not None else ""
         rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["variants"] = variants

@@ -7,6 +7,7 @@ replay and `validate_workload_spec(spec, base_dir)` at validate time; `FORMATS` 
 
 from __future__ import annotations
 
+from btb_lab.workload import seed_windows
 from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
 from btb_lab.workload.generators import GENERATORS, GenContext, generate, parse_params
 from btb_lab.workload.loader import (
@@ -15,21 +16,18 @@ from btb_lab.workload.loader import (
     load_requests,
     validate_workload_spec,
 )
-from btb_lab.workload.spec import GeneratorSpec, TraceSpec, WorkloadSpec
 
 __all__ = [
     "FORMATS",
     "GENERATORS",
     "GenContext",
-    "GeneratorSpec",
     "LoadedTrace",
     "RequestList",
-    "TraceSpec",
-    "WorkloadSpec",
     "apply_time_scale",
     "generate",
     "load_requests",
     "load_trace",
     "parse_params",
+    "seed_windows",
     "validate_workload_spec",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 from btb_lab.errors import UserError
 from btb_lab.records import Request
 from btb_lab.registry import Registry

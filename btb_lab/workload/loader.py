@@ -11,11 +11,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from btb_lab.config.workload import WorkloadSpec
 from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.records import Request
 from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
 from btb_lab.workload.generators import GENERATORS, GenContext, parse_params
-from btb_lab.workload.spec import WorkloadSpec
+from btb_lab.workload.variation import vary_requests
 
 __all__ = ["RequestList", "apply_time_scale", "load_requests", "validate_workload_spec"]
 
@@ -123,11 +124,14 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
         params = parse_params(spec.generator.kind, spec.generator.params)
         ctx = GenContext(seed=seed, block_tokens=spec.block_tokens, base_dir=base_dir)
         loaded = LoadedTrace(entry.generate(params, ctx))
+    rows = loaded.requests
+    if spec.variation is not None:
+        rows = vary_requests(rows, spec.variation, seed, stage="windows")
     window_order: dict[str, int] = {}
-    for request in loaded.requests:
+    for request in rows:
         window_order.setdefault(request.trace_id, len(window_order))
     ordered = sorted(
-        enumerate(loaded.requests),
+        enumerate(rows),
         key=lambda item: (window_order[item[1].trace_id], item[1].arrival_s, item[0]),
     )
     selected = [request for _, request in ordered][spec.offset :]
@@ -140,6 +144,7 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
         )
     for request in selected:
         request.block_tokens = spec.block_tokens
-    return RequestList(
-        apply_time_scale(selected, spec.time_scale, spec.window_gap_s), loaded.bad_rows
-    )
+    scaled = apply_time_scale(selected, spec.time_scale, spec.window_gap_s)
+    if spec.variation is not None:
+        scaled = vary_requests(scaled, spec.variation, seed, stage="jitter")
+    return RequestList(scaled, loaded.bad_rows)

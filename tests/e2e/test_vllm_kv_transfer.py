@@ -30,8 +30,8 @@ from btb_lab.cluster.driver import LoadDriver, RunClock
 from btb_lab.cluster.launcher import Endpoint, InstanceSpec, Launcher, plan_instances
 from btb_lab.cluster.router import Router
 from btb_lab.cluster.telemetry import scrape_all
+from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.hypothesis.loader import load_hypothesis
-from btb_lab.hypothesis.schema import Hypothesis
 from btb_lab.policies.base import ClusterView, Decision, NoParams, Policy
 from btb_lab.records import Request, RequestRecord
 from tests.e2e.test_vllm_cluster import BTB, HANG_GUARD_S, MODEL, ROOT, vllm_pids

@@ -20,7 +20,8 @@ from btb_lab.cluster.driver import LoadDriver, RunClock
 from btb_lab.cluster.fake_server import FakeConfig, FakeVLLM, serve_in_thread
 from btb_lab.cluster.launcher import Endpoint
 from btb_lab.cluster.router import Router
-from btb_lab.hypothesis.schema import Hypothesis, KVConnector
+from btb_lab.config.hypothesis import Hypothesis, KVConnector
+from btb_lab.model.costmodel import build_cost_model
 from btb_lab.policies.base import Decision, WarmAction
 from btb_lab.records import Request
 from tests.integration.test_cluster_flows import ListSink, Scripted, ZeroCosts, prompt, req
@@ -250,7 +251,7 @@ def test_backend_reports_kv_sources_per_instance(nixl_fakes: Any, tmp_path: Path
     sink = ListSink()
     ctx = RunContext(
         hypothesis=hyp, variant_name="off", variant=hyp.variants["off"], repeat=0, seed=1,
-        run_dir=tmp_path, sink=sink,
+        run_dir=tmp_path, sink=sink, costs=build_cost_model(hyp),
     )  # fmt: skip
     # two sessions; the second arrives while the first decodes, so its home is busy
     requests = [

@@ -11,7 +11,8 @@ import pytest
 from btb_lab.backends import RunContext
 from btb_lab.cluster import backend as backend_mod
 from btb_lab.cluster.backend import ClusterBackend
-from btb_lab.hypothesis.schema import Hypothesis
+from btb_lab.config.hypothesis import Hypothesis
+from btb_lab.model.costmodel import build_cost_model
 from btb_lab.records import Request
 from tests.integration.test_cluster_flows import ListSink
 from tests.unit.test_cluster_launcher import alive, dummy_spec, tree_pids
@@ -54,7 +55,7 @@ def run(backend: ClusterBackend, hyp: Hypothesis, variant: str, tmp_path: Path) 
     sink = ListSink()
     ctx = RunContext(
         hypothesis=hyp, variant_name=variant, variant=hyp.variants[variant], repeat=0, seed=0,
-        run_dir=tmp_path, sink=sink,
+        run_dir=tmp_path, sink=sink, costs=build_cost_model(hyp),
     )  # fmt: skip
     reqs = [Request("r0", 0.0, 40, 2, block_hashes=(1,), block_tokens=16)]
     return backend.run_variant(ctx, reqs), sink

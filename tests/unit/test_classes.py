@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from btb_lab.analysis.classes import assign_classes
-from btb_lab.hypothesis.schema import ClassRule, Condition
+from btb_lab.config.hypothesis import ClassRule, Condition
 
 
 def test_first_matching_rule_names_the_class() -> None:

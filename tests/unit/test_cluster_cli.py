@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from btb_lab.cli import app
 from btb_lab.cluster.backend import resolve_served_model, resolve_vocab_size
+from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
-from btb_lab.hypothesis.schema import Hypothesis
 
 ROOT = Path(__file__).resolve().parents[2]
 

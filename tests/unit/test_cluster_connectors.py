@@ -16,8 +16,8 @@ import pytest
 
 from btb_lab.cluster.connectors import CONNECTORS, build_connector, free_ports
 from btb_lab.cluster.launcher import Launcher, plan_instances
+from btb_lab.config.hypothesis import ClusterSpec, KVConnector
 from btb_lab.errors import UserError
-from btb_lab.hypothesis.schema import ClusterSpec, KVConnector
 from tests.unit.test_cluster_launcher import alive, dummy_spec, tree_pids
 
 
@@ -288,18 +288,20 @@ def test_kv_sources_fall_back_to_the_prefix_cache_counters() -> None:
 
 def test_report_table_shows_each_instances_kv_by_source() -> None:
     from btb_lab.report.render import kv_source_rows, render_template
+    from btb_lab.results import RunEntry
 
     kv = {"prompt_tokens": 100.0, "local_hit_tokens": 30.0, "external_hit_tokens": 50.0,
           "computed_tokens": 20.0, "kv_bytes": 2.0 * 2**20, "kv_transfer_s": 0.25,
           "kv_transfers": 3.0, "kv_failed_transfers": 0.0}  # fmt: skip
     none = dict.fromkeys(kv, 0.0)
+
+    def entry(variant: str, extra: dict[str, Any]) -> RunEntry:
+        return RunEntry(variant=variant, repeat=0, seed=0, workload_seed=0, requests=1,
+                        status="ok", started="now", extra=extra)  # fmt: skip
+
     runs = [
-        {
-            "variant": "ps",
-            "repeat": 0,
-            "extra": {"metrics": {"kv_sources": {"C1": kv, "PS0": none}}},
-        },
-        {"variant": "sim-like", "repeat": 0, "extra": {}},
+        entry("ps", {"metrics": {"kv_sources": {"C1": kv, "PS0": none}}}),
+        entry("sim-like", {}),
     ]
     rows = kv_source_rows(runs)
     assert [(r["run"], r["instance"]) for r in rows] == [

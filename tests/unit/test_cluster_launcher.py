@@ -21,7 +21,7 @@ from btb_lab.cluster.launcher import (
     plan_endpoints,
     plan_instances,
 )
-from btb_lab.hypothesis.schema import ClusterSpec
+from btb_lab.config.hypothesis import ClusterSpec
 
 # A stand-in server: serves /health (optionally never, or exits at once) and keeps a
 # grandchild alive, so teardown must reach a whole tree, not one pid.

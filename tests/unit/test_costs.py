@@ -6,8 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 from btb_lab.cli import app
-from btb_lab.sim.costs import COST_TABLE_TIERS, SimCostModel, cost_table, format_ms
-from btb_lab.sim.hardware import GPU_PRESETS, MODEL_PRESETS, make_instance
+from btb_lab.config.costs import CostSettings
+from btb_lab.model.costmodel import RooflineCostModel
+from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS, make_instance
+from btb_lab.model.roofline import COST_TABLE_TIERS, cost_table, format_ms
 
 SEED_TABLE = {
     "prefill": ["35.7", "71.4", "142.8", "571", "1142", "2284"],
@@ -47,7 +49,7 @@ def test_cli_prints_the_table() -> None:
 def test_cost_model_transfer_uses_setup_and_slower_link() -> None:
     fast = make_instance(0, "C0", "C", GPU_PRESETS["B300"], 4, MODEL_PRESETS["llama-3.3-70b"])
     slow = make_instance(1, "C1", "C", GPU_PRESETS["H100"], 4, MODEL_PRESETS["llama-3.3-70b"])
-    costs = SimCostModel([fast, slow], mfu=0.5, transfer_setup_s=0.001)
+    costs = RooflineCostModel([fast, slow], CostSettings(mfu=0.5, transfer_setup_ms=1.0))
     expected = 0.001 + 1000 * 320 * 1024 / 200e9  # H100 node's 200 GB/s bounds the copy
     assert costs.transfer_s(1000, 0, 1) == pytest.approx(expected)
     assert costs.transfer_s(1000, 1, 0) == pytest.approx(expected)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from btb_lab.config.hypothesis import ClusterSpec, InstanceGroup, ModelShape
 from btb_lab.errors import UserError
-from btb_lab.hypothesis.schema import ClusterSpec, InstanceGroup, ModelShape
-from btb_lab.sim.hardware import (
+from btb_lab.model.hardware import (
     GPU_PRESETS,
     MODEL_PRESETS,
     build_instances,

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from btb_lab.config import resolve_variant
 from btb_lab.errors import ValidationFailed
-from btb_lab.hypothesis import apply_overrides, load_hypothesis, resolve_variant
+from btb_lab.hypothesis import apply_overrides, load_hypothesis
 from tests.unit.test_runner_fake import HYPOTHESIS
 
 
@@ -117,7 +118,8 @@ def test_variant_sim_override_is_validated(tmp_path: Path) -> None:
         "router: {policy: round_robin}", "router: {policy: round_robin}\n    sim: {mfu: 7}"
     )
     (problem,) = problems(tmp_path, text)
-    assert "variants.fast.sim.mfu:" in problem
+    # sim.mfu is an alias of costs.mfu: reported under its new name, at its own line
+    assert "variants.fast.costs.mfu:" in problem
     assert "less than or equal to 1" in problem
     assert f":{line_of(text, 'mfu: 7')}:" in problem
 
@@ -155,8 +157,9 @@ def test_resolve_variant_merges_sim_overrides(tmp_path: Path) -> None:
         "router: {policy: round_robin}", "router: {policy: round_robin}\n    sim: {mfu: 0.3}"
     )
     hyp = load_text(tmp_path, text).hypothesis
-    assert resolve_variant(hyp, "fast").sim.mfu == 0.3
-    assert resolve_variant(hyp, "base").sim.mfu == hyp.sim.mfu == 0.5
+    assert resolve_variant(hyp, "fast").costs.mfu == 0.3
+    assert resolve_variant(hyp, "base").costs.mfu == hyp.costs.mfu == 0.5
+    assert hyp.aliases == ["variants.fast.sim.mfu → variants.fast.costs.mfu"]
 
 
 def test_class_rule_values_are_checked(tmp_path: Path) -> None:

@@ -8,13 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from btb_lab.analysis.metrics import (
-    cache_stats,
-    derive_timings,
-    gpu_stats,
-    metric_label,
-    request_metrics,
-)
+from btb_lab.analysis.metrics import cache_stats, gpu_stats, request_metrics
+from btb_lab.analysis.models import RequestMetrics
+from btb_lab.config.metrics import LATENCIES, LATENCY_STATS, METRICS, REQUEST_METRIC_NAMES
+from btb_lab.records import derive_timings
 
 
 def frame(rows: list[dict]) -> pd.DataFrame:
@@ -53,23 +50,23 @@ def test_percentiles_ok_rate_and_counts() -> None:
         for t in range(1, 11)
     ] + [{"sent_s": 0.0, "first_token_s": None, "finish_s": None, "output_tokens": 3, "ok": False}]
     m = request_metrics(derive_timings(frame(rows)))
-    assert (m["n"], m["ok"]) == (11, 10)
-    assert m["ok_rate"] == pytest.approx(10 / 11)
+    assert (m.n, m.ok) == (11, 10)
+    assert m.ok_rate == pytest.approx(10 / 11)
     # linear interpolation over 1..10 (vLLM's np.percentile): p50 = 5.5, p90 = 9.1, p99 = 9.91
-    assert m["ttft_p50"] == pytest.approx(5.5)
-    assert m["ttft_p90"] == pytest.approx(9.1)
-    assert m["ttft_p99"] == pytest.approx(9.91)
-    assert m["ttft_mean"] == pytest.approx(5.5)
-    assert m["e2e_p50"] == pytest.approx(6.5)
-    assert m["tpot_p50"] == pytest.approx(0.5)  # (e2e − ttft) / (3 − 1) = 1 / 2
+    assert m.ttft_p50 == pytest.approx(5.5)
+    assert m.ttft_p90 == pytest.approx(9.1)
+    assert m.ttft_p99 == pytest.approx(9.91)
+    assert m.ttft_mean == pytest.approx(5.5)
+    assert m.e2e_p50 == pytest.approx(6.5)
+    assert m.tpot_p50 == pytest.approx(0.5)  # (e2e − ttft) / (3 − 1) = 1 / 2
 
 
 def test_empty_metrics_are_none() -> None:
     m = request_metrics(derive_timings(frame([
         {"sent_s": 0.0, "first_token_s": None, "finish_s": None, "output_tokens": 3, "ok": False}
     ])))  # fmt: skip
-    assert m["ok"] == 0
-    assert m["ttft_p90"] is None
+    assert m.ok == 0
+    assert m.ttft_p90 is None
 
 
 def test_gpu_imbalance_std_max_from_per_instance_means() -> None:
@@ -81,9 +78,9 @@ def test_gpu_imbalance_std_max_from_per_instance_means() -> None:
     })  # fmt: skip
     g = gpu_stats(util)
     # means 0.3, 0.6, 0.9 -> imbalance 3.0, population std sqrt(0.06), max 0.9
-    assert g["imbalance"] == pytest.approx(3.0)
-    assert g["std"] == pytest.approx(np.sqrt(((0.3 - 0.6) ** 2 + 0 + (0.9 - 0.6) ** 2) / 3))
-    assert g["max"] == pytest.approx(0.9)
+    assert g.imbalance == pytest.approx(3.0)
+    assert g.std == pytest.approx(np.sqrt(((0.3 - 0.6) ** 2 + 0 + (0.9 - 0.6) ** 2) / 3))
+    assert g.max == pytest.approx(0.9)
 
 
 def test_cache_stats() -> None:
@@ -92,13 +89,25 @@ def test_cache_stats() -> None:
         {"input_tokens": 300, "cached_tokens": 0},
         {"input_tokens": 100, "cached_tokens": 100, "cache_tier": "ram"},
     ]))  # fmt: skip
-    assert c["hit_rate"] == pytest.approx(150 / 500)
-    assert c["mean_fraction"] == pytest.approx((0.5 + 0 + 1) / 3)
-    assert c["requests_with_hit"] == 2
-    assert c["tiers"] == {"hbm": 1, "ram": 1}
+    assert c.hit_rate == pytest.approx(150 / 500)
+    assert c.mean_fraction == pytest.approx((0.5 + 0 + 1) / 3)
+    assert c.requests_with_hit == 2
+    assert c.tiers == {"hbm": 1, "ram": 1}
 
 
-def test_labels() -> None:
-    assert metric_label("ttft_p90") == "TTFT90"
-    assert metric_label("tpot_mean") == "TPOTmean"
-    assert metric_label("gpu_imbalance") == "GPU imbalance"
+def test_metric_definitions() -> None:
+    assert METRICS["ttft_p90"].label == "TTFT90"
+    assert METRICS["tpot_mean"].label == "TPOTmean"
+    assert METRICS["gpu_imbalance"].label == "GPU imbalance"
+    assert (METRICS["e2e_p99"].column, METRICS["e2e_p99"].percentile) == ("e2e_s", 99.0)
+    assert METRICS["e2e_mean"].percentile is None
+    assert METRICS["ok_rate"].higher_is_better
+    assert not METRICS["ttft_p50"].higher_is_better
+    assert {m.level for m in METRICS.values()} == {"request", "gpu"}
+    assert len(METRICS) == len(LATENCIES) * len(LATENCY_STATS) + 5
+
+
+def test_summary_model_has_a_field_per_request_metric() -> None:
+    """summary.json's RequestMetrics and config.metrics name the same request metrics."""
+    fields = set(RequestMetrics.model_fields) - {"n", "ok"}
+    assert fields == set(REQUEST_METRIC_NAMES) - {"cache_hit_rate"}

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from btb_lab.errors import UserError
-from btb_lab.records import RECORD_COLUMNS, RequestRecord, UtilSample
+from btb_lab.records import RECORD_COLUMNS, STORED_COLUMNS, RequestRecord, UtilSample
 from btb_lab.results import (
     JsonlRecordSink,
     finalize_parquet,
     new_run_dir,
     read_records,
     resolve_run_dir,
-    write_manifest,
+    write_json,
     write_utilization_part,
 )
 
@@ -38,7 +38,12 @@ def test_sink_flushes_every_write_and_parquet_has_record_columns(tmp_path: Path)
     write_utilization_part(tmp_path, "v", 0, [UtilSample(0.0, "C0", "sim", 0.5)])
     finalize_parquet(tmp_path, ["v"])
     frame = read_records(tmp_path)
-    assert list(frame.columns)[: len(RECORD_COLUMNS)] == list(RECORD_COLUMNS)
+    assert list(frame.columns) == [*STORED_COLUMNS, "extra"]
+    assert set(RECORD_COLUMNS) < set(STORED_COLUMNS)
+    # the latencies are stored, derived from the stamps (no always-empty column)
+    assert frame["ttft_s"].tolist() == [0.5, 0.5, 0.5]
+    assert frame["e2e_s"].tolist() == [1.0, 1.0, 1.0]
+    assert frame["tpot_s"].tolist() == [0.125, 0.125, 0.125]
     assert frame["request_id"].tolist() == ["r0", "r1", "r2"]
     assert frame["class"].tolist() == ["WARM"] * 3
     assert frame["first_token_s"].tolist() == [0.5, 1.5, 2.5]
@@ -68,7 +73,7 @@ def test_run_dirs_and_resolution(tmp_path: Path) -> None:
     assert a != b
     assert a.parent == tmp_path / "H1"
     for d in (a, b):
-        write_manifest(d, {"run_id": d.name})
+        write_json(d / "manifest.json", {"run_id": d.name})
     assert resolve_run_dir("H1", tmp_path) == max(a, b)
     assert resolve_run_dir(a, tmp_path) == a
     with pytest.raises(UserError, match="neither a run directory"):

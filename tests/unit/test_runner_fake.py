@@ -12,15 +12,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from btb_lab.backends import BACKENDS, BackendResult, RunContext
+from btb_lab.backends import BackendResult, RunContext
 from btb_lab.records import Request, RequestRecord, UtilSample
-from btb_lab.runner import RunInterrupted, RunOptions, derive_seed, run_hypothesis
+from btb_lab.runner import BACKENDS, RunInterrupted, RunOptions, derive_seed, run_hypothesis
 
 FAKE = "fake"
 # variant name -> TTFT multiplier; missing variants run at 1.0
 EFFECTS: dict[str, float] = {}
 # raise KeyboardInterrupt after writing this many records of this variant
 INTERRUPT: dict[str, int] = {}
+# variants whose run crashes with this exception after writing a few records
+CRASH: dict[str, Exception] = {}
 SEEN: list[tuple[str, int, int, tuple[tuple[str, float], ...]]] = []
 CLOSED: list[str] = []  # one entry per FakeBackend.close() call
 
@@ -46,6 +48,9 @@ class FakeBackend:
             if stop is not None and i == stop:
                 ctx.sink.write(batch)
                 raise KeyboardInterrupt
+            if ctx.variant_name in CRASH and i == 5:
+                ctx.sink.write(batch)
+                raise CRASH[ctx.variant_name]
             ttft = (0.2 + rng.expovariate(2.0)) * factor
             tpot = 0.02 + rng.random() * 0.01
             finish = req.arrival_s + ttft + tpot * max(req.output_tokens - 1, 0)
@@ -87,7 +92,7 @@ backend: sim
 model: llama-3.3-70b
 cluster:
   instances:
-    - {role: C, count: 2, gpu: H100, gpus: 1}
+    - {role: C, count: 2, gpu: H100, gpus: 4}
 workload:
   generator:
     kind: poisson
@@ -128,7 +133,9 @@ def fake_effects():
     INTERRUPT.clear()
     SEEN.clear()
     CLOSED.clear()
+    CRASH.clear()
     yield EFFECTS
+    CRASH.clear()
     EFFECTS.clear()
     INTERRUPT.clear()
     SEEN.clear()
@@ -146,7 +153,7 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
     run_dir = outcome.run_dir
     assert CLOSED == [FAKE]  # the backend is closed once, after the last variant
     for name in ("manifest.json", "requests.parquet", "utilization.parquet", "summary.json",
-                 "report.md", "plots/ttft_cdf.png"):  # fmt: skip
+                 "report.md", "plots/latency_cdf.png", "events.parquet"):  # fmt: skip
         assert (run_dir / name).is_file(), name
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["complete"] is True
@@ -157,7 +164,7 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
     records = pd.read_parquet(run_dir / "requests.parquet")
     assert len(records) == 240
     assert set(records["variant"]) == {"base", "fast"}
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())  # the file, as users read it
     assert summary["verdict"]["word"] == "VALIDATED"
     assert summary["variants"]["fast"]["all"]["n"] == 120
     assert set(summary["variants"]["fast"]["classes"]) == {"LONG", "SHORT"}
@@ -171,8 +178,8 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
 def test_same_seed_same_numbers_and_shared_requests(tmp_path: Path, fake_effects) -> None:
     a = run_fake(tmp_path, out="a", repeats=2)
     b = run_fake(tmp_path, out="b", repeats=2)
-    assert a.summary["variants"] == b.summary["variants"]
-    assert a.summary["verdict"] == b.summary["verdict"]
+    assert a.summary.variants == b.summary.variants
+    assert a.summary.verdict == b.summary.verdict
     # per repeat, both variants saw identical requests; repeats differ from each other
     by_key = {(v, r): ids for v, r, _, ids in SEEN[:4]}
     assert by_key[("base", 0)] == by_key[("fast", 0)]
@@ -186,12 +193,12 @@ def test_same_seed_same_numbers_and_shared_requests(tmp_path: Path, fake_effects
 def test_cli_seed_changes_numbers(tmp_path: Path, fake_effects) -> None:
     a = run_fake(tmp_path, out="a")
     b = run_fake(tmp_path, out="b", seed=99)
-    assert a.summary["variants"]["base"]["all"] != b.summary["variants"]["base"]["all"]
+    assert a.summary.variants["base"].all != b.summary.variants["base"].all
 
 
 def test_variants_filter_keeps_baseline(tmp_path: Path, fake_effects) -> None:
     outcome = run_fake(tmp_path, variants=["fast"])
-    assert list(outcome.summary["variants"]) == ["base", "fast"]
+    assert list(outcome.summary.variants) == ["base", "fast"]
 
 
 def test_dry_run_plans_without_writing(tmp_path: Path, fake_effects) -> None:
@@ -219,3 +226,25 @@ def test_interrupt_keeps_finished_records(tmp_path: Path, fake_effects) -> None:
     assert "INCOMPLETE RUN" in report
     assert "**INCONCLUSIVE**" in report
     assert CLOSED == [FAKE]  # resources held across variants are released on Ctrl-C too
+
+
+def test_a_crashed_run_keeps_its_traceback_and_the_report_links_it(
+    tmp_path: Path, fake_effects
+) -> None:
+    """An engine bug is not a user error: the run is recorded as failed (INCONCLUSIVE)
+    with its traceback in the run directory, and the other variants still run."""
+    CRASH["fast"] = AssertionError("invariant broke: reserved KV above budget")
+    outcome = run_fake(tmp_path)
+    run_dir = outcome.run_dir
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    fast = next(r for r in manifest["runs"] if r["variant"] == "fast")
+    base = next(r for r in manifest["runs"] if r["variant"] == "base")
+    assert (fast["status"], base["status"]) == ("failed", "ok")
+    assert fast["error"] == "AssertionError: invariant broke: reserved KV above budget"
+    trace = (run_dir / fast["error_file"]).read_text()
+    assert "Traceback (most recent call last)" in trace
+    assert "run_variant" in trace
+    assert outcome.verdict.word == "INCONCLUSIVE"
+    report = (run_dir / "report.md").read_text()
+    assert f"(traceback: [{fast['error_file']}]({fast['error_file']}))" in report
+    assert "invariant broke" in report

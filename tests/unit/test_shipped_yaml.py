@@ -6,12 +6,12 @@ configuration, and is skipped."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
 
 from btb_lab.hypothesis import load_hypothesis
+from btb_lab.sweep import expand_points, load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 HYPOTHESES = sorted((ROOT / "hypotheses").glob("*.y*ml"))
@@ -33,11 +33,11 @@ def test_hypothesis_validates(path: Path) -> None:
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.name)
 def test_experiment_file_validates(path: Path) -> None:
-    try:
-        sweep = importlib.import_module("btb_lab.sweep")
-    except ModuleNotFoundError:
-        pytest.skip("the sweep engine is not installed")
-    load_sweep = getattr(sweep, "load_sweep", None)
-    if load_sweep is None:
-        pytest.skip("the sweep engine has no loader yet")
-    assert load_sweep(path) is not None
+    """The sweep file, and the base hypothesis at every one of its points."""
+    loaded = load_sweep(path)
+    points = expand_points(loaded.spec)
+    assert points
+    for point in points:
+        hyp = load_hypothesis(loaded.base_path, point.overrides).hypothesis
+        for name in loaded.spec.table.variants or []:
+            assert name in hyp.variants, (point.point_id, name)

@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 
-from btb_lab.backends import BACKENDS, RunContext
+from btb_lab.backends import RunContext
+from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
-from btb_lab.hypothesis.schema import Hypothesis
+from btb_lab.model.costmodel import build_cost_model
 from btb_lab.records import RequestRecord
+from btb_lab.runner import get_backend
 from btb_lab.sim.backend import simulate
 from btb_lab.sim.bench import bench_workload
 
@@ -101,10 +103,11 @@ def test_backend_streams_records_and_reports_fidelity(tmp_path: Path) -> None:
         seed=0,
         run_dir=tmp_path,
         sink=sink,
+        costs=build_cost_model(h),
         progress=lambda done, total: progress.append((done, total)),
     )
     reqs = bench_workload(5000, seed=9)
-    backend = BACKENDS.get("sim")()
+    backend = get_backend("sim")
     result = backend.run_variant(ctx, reqs)
     rows = [r for batch in sink.batches for r in batch]
     assert len(rows) == 5000

@@ -12,12 +12,14 @@ from typing import ClassVar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from btb_lab.config.costs import CostSettings
+from btb_lab.config.sim import SimSettings
+from btb_lab.model.costmodel import RooflineCostModel
+from btb_lab.model.hardware import GPU_PRESETS, ModelSpec, make_instance
+from btb_lab.model.roofline import prefill_s
 from btb_lab.policies.base import ClusterView, Decision, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
 from btb_lab.sim.backend import run_engine
-from btb_lab.sim.costs import prefill_s
-from btb_lab.sim.hardware import GPU_PRESETS, ModelSpec, make_instance
-from btb_lab.sim.settings import SimSettings
 
 # A fat-KV model on one GPU: ~12k tokens of KV, so caches evict and batches fill.
 FAT = ModelSpec("fat", 20e9, 20e9, 2, 80, 64, 128)
@@ -114,7 +116,10 @@ def test_engine_invariants(
     reqs = build(rows)
     recs: list[RequestRecord] = []
     # audit=True checks time order, KV and cache budgets and batch limits at every event
-    _, stats, engine = run_engine(insts, sim, RandomDecisions(seed), reqs, recs.append, audit=True)
+    _, stats, engine = run_engine(
+            RooflineCostModel(insts, CostSettings()), sim, RandomDecisions(seed), reqs,
+            recs.append, audit=True,
+        )  # fmt: skip
 
     ids = [r.request_id for r in recs]
     assert sorted(ids) == sorted(r.request_id for r in reqs)  # none lost, none twice
@@ -125,9 +130,7 @@ def test_engine_invariants(
         assert rec.finish_s is not None
         assert rec.arrival_s <= rec.first_token_s <= rec.finish_s
         prefill_inst = insts[int((rec.prefill_instance or rec.instance)[1:])]
-        floor = prefill_s(
-            prefill_inst, by_id[rec.request_id].input_tokens - rec.cached_tokens, sim.mfu
-        )
+        floor = prefill_s(prefill_inst, by_id[rec.request_id].input_tokens - rec.cached_tokens, 0.5)
         assert rec.first_token_s - rec.arrival_s >= floor - 1e-9
         assert rec.prefill_s >= floor - 1e-9
         assert rec.queue_s >= -1e-9
@@ -176,7 +179,10 @@ def test_sharing_under_memory_pressure_keeps_the_budget(
             host_ram_bytes=4 * BT * insts[0].kv_bytes_per_token,
         )
         recs: list[RequestRecord] = []
-        _, _, engine = run_engine(insts, sim, RandomDecisions(seed), reqs, recs.append, audit=True)
+        _, _, engine = run_engine(
+            RooflineCostModel(insts, CostSettings()), sim, RandomDecisions(seed), reqs,
+            recs.append, audit=True,
+        )  # fmt: skip
         assert sorted(r.request_id for r in recs) == sorted(r.request_id for r in reqs)
         assert all(r.ok for r in recs)
         for inst in engine.insts:

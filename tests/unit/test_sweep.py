@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from btb_lab.analysis.models import Summary
 from btb_lab.errors import UserError, ValidationFailed
+from btb_lab.results import Manifest
 from btb_lab.sweep import (
     PointTask,
     build_table,
@@ -40,9 +42,8 @@ def fake_run(task: PointTask) -> None:
     with calls.open("a", encoding="utf-8") as fh:
         fh.write(task.point_id + "\n")
     base = scale * model_factor
-    summary = {
-        "verdict": {"word": "VALIDATED", "reason": "fake"},
-        "variants": {
+    fake_summary(
+        {
             "btb": {
                 "all": {"ttft_mean": 0.6 * base, "ttft_p95": 1.2 * base},
                 "classes": {"HEAVY": {"ttft_mean": 2.0 * base}},
@@ -53,11 +54,35 @@ def fake_run(task: PointTask) -> None:
                 "classes": {"HEAVY": {"ttft_mean": 4.0 * base}},
                 "gpu": {"imbalance": 3.0},
             },
-        },
-        "seed": task.seed,
+        }
+    ).save(run_dir)
+    Manifest(
+        run_id="r", run_dir=str(run_dir), hypothesis_id="T1", hypothesis_file="b.yaml",
+        hypothesis={}, backend="sim", variants=["cache_aware", "btb"], repeats=1,
+        master_seed=task.seed or 0, runs_planned=2, started="now", complete=True,
+    ).save(run_dir)  # fmt: skip
+
+
+def fake_summary(variants: dict[str, dict]) -> Summary:
+    """A stored summary with the given per-variant metrics (n/ok filled in)."""
+
+    def metrics(values: dict) -> dict:
+        return {"n": 1, "ok": 1, **values}
+
+    blocks = {
+        name: {
+            "all": metrics(v.get("all", {})),
+            "classes": {c: metrics(m) for c, m in v.get("classes", {}).items()},
+            "gpu": v.get("gpu", {}),
+        }
+        for name, v in variants.items()
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
-    (run_dir / "manifest.json").write_text(json.dumps({"complete": True}), encoding="utf-8")
+    return Summary.model_validate({
+        "hypothesis": "T1", "title": "t", "run_id": "r", "backend": "sim", "complete": True,
+        "baseline": "cache_aware",
+        "primary": {"metric": "ttft_mean", "direction": "decrease", "min_effect": 0.05},
+        "verdict": {"word": "VALIDATED", "reason": "fake"}, "variants": blocks,
+    })  # fmt: skip
 
 
 def write_sweep(tmp_path: Path, body: str) -> Path:
@@ -178,20 +203,19 @@ def test_run_writes_table_with_values_and_reductions(tmp_path: Path) -> None:
     assert "+40.0%" in md
     assert (out / "plot.png").stat().st_size > 1000
     # the sweep's seed reached every point
-    summary = json.loads(next((out / "points").glob("*/summary.json")).read_text())
-    assert summary["seed"] == 7
+    assert Manifest.load(next((out / "points").glob("*/summary.json")).parent).master_seed == 7
 
 
 def test_table_scope_class_and_gpu_metrics() -> None:
     from btb_lab.sweep.plan import SweepPoint
 
     points = [SweepPoint("p1", {"x": "1"}, {}), SweepPoint("p2", {"x": "2"}, {})]
-    summary = {
-        "variants": {
+    summary = fake_summary(
+        {
             "a": {"classes": {"HEAVY": {"ttft_p50": 4.0}}, "gpu": {"imbalance": 2.0}},
             "b": {"classes": {"HEAVY": {"ttft_p50": 5.0}}, "gpu": {"imbalance": 1.0}},
         }
-    }
+    )
     table = TableSpec(metrics=["ttft_p50", "gpu_imbalance"], scope="HEAVY")
     df = build_table(points, {"p1": summary, "p2": None}, table, baseline="a")
     assert df.loc[0, "ttft_p50 reduction % (b vs a)"] == pytest.approx(-25.0)
@@ -305,3 +329,47 @@ def test_cli_rejects_unknown_executor(tmp_path: Path) -> None:
     assert "--executor" in proc.stderr
     assert "local, ray" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------- series and Pareto
+
+
+def test_pareto_front_known_answer() -> None:
+    import numpy as np
+
+    from btb_lab.sweep.series import pareto_front
+
+    throughput = np.array([1.0, 2.0, 2.0, 3.0, 1.5])
+    latency = np.array([0.5, 0.6, 0.9, 1.4, 0.7])
+    # (2, 0.9) is beaten by (2, 0.6); (1.5, 0.7) by (2, 0.6)
+    assert pareto_front(throughput, latency).tolist() == [True, True, False, True, False]
+
+
+def test_series_plots_draw_a_line_per_variant_and_a_pareto_view_for_load(tmp_path: Path) -> None:
+    from btb_lab.sweep.series import is_load_column, write_series_plots
+
+    assert is_load_column("workload.time_scale")
+    assert is_load_column("workload.generator.params.rate_per_s")
+    assert not is_load_column("sim.kv_visibility")
+    rows = []
+    for scale, rps in ((2.0, 1.0), (1.0, 2.0), (0.5, 3.5)):
+        for variant, factor in (("cache_aware", 1.0), ("btb", 0.7)):
+            value = factor / scale
+            rows.append({"point_id": f"p{scale}", "workload.time_scale": str(scale),
+                         "variant": variant, "metric": "ttft_p90", "value": value,
+                         "ci_low": 0.9 * value, "ci_high": 1.1 * value, "offered_rps": rps,
+                         "achieved_rps": rps * 0.95})  # fmt: skip
+    series = pd.DataFrame(rows)
+    paths = write_series_plots(series, tmp_path, ["workload.time_scale"],
+                               ["cache_aware", "btb"], "ttft_p90", "t")  # fmt: skip
+    assert set(paths) == {"intervals", "series", "pareto"}
+    assert paths["series"].stat().st_size > 1000
+    assert paths["pareto"].stat().st_size > 1000
+    back = pd.read_csv(paths["intervals"])
+    assert len(back) == 6
+    # not a load sweep: no Pareto view
+    other = series.rename(columns={"workload.time_scale": "sim.kv_visibility"})
+    (tmp_path / "o").mkdir()
+    paths = write_series_plots(other, tmp_path / "o", ["sim.kv_visibility"],
+                               ["cache_aware", "btb"], "ttft_p90", "t")  # fmt: skip
+    assert "pareto" not in paths

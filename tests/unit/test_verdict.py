@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from btb_lab.analysis.metrics import derive_timings, latency_stat
-from btb_lab.analysis.verdict import _RankPercentile, evaluate_verdict, paired_units
-from btb_lab.hypothesis.schema import VerdictRule
+from btb_lab.analysis.bootstrap import counts_percentile
+from btb_lab.analysis.metrics import latency_stat
+from btb_lab.analysis.verdict import evaluate_verdict, paired_units
+from btb_lab.config.hypothesis import VerdictRule
+from btb_lab.records import derive_timings
 
 EMPTY_UTIL = pd.DataFrame(columns=["variant", "repeat", "time_s", "instance", "device",
                                    "utilization"])  # fmt: skip
@@ -63,7 +65,7 @@ def test_no_change_is_rejected_within_noise() -> None:
     # identical latencies per request: the paired interval is exactly no change
     v = judge(records("base", 1.0, seed=1) + records("new", 1.0, seed=1))
     assert v.word == "REJECTED"
-    assert v.reason.endswith("within noise")
+    assert v.reason.endswith("within noise: no effect of the 5% minimum size")
     p = v.variants["new"].primary
     assert p.paired
     assert p.ci_low == 0 == p.ci_high
@@ -139,14 +141,14 @@ def test_repeats_are_resampled_and_reproducible() -> None:
     rows = records("base", 1.0, seed=1, repeats=3) + records("new", 0.6, seed=2, repeats=3)
     a, b = judge(rows), judge(rows)
     assert a.word == "VALIDATED"
-    assert a.to_dict() == b.to_dict()
+    assert a.model_dump() == b.model_dump()
 
 
 def test_strongest_variant_decides() -> None:
     rows = records("base", 1.0, seed=1) + records("same", 1.0, seed=2) + records("new", 0.5, seed=3)
     v = judge(rows, variants=("base", "same", "new"))
     assert v.word == "VALIDATED"
-    assert "(new vs base)" in v.reason
+    assert "(new vs base; Holm-adjusted over 2 comparisons, 97.5% interval)" in v.reason
     assert v.variants["same"].word == "REJECTED"
 
 
@@ -190,7 +192,9 @@ def test_small_slowdown_on_every_request_gives_a_tight_paired_interval() -> None
     assert p.paired
     assert 0.010 <= p.ci_low <= p.change <= p.ci_high <= 0.016
     assert v.word == "REJECTED"
-    assert v.reason.endswith("smaller than the 5% minimum effect")
+    assert v.reason.endswith(
+        "smaller than the 5% minimum effect (the whole interval is short of it)"
+    )
     loose = judge(unpaired(rows), rule).variants["new"].primary
     assert not loose.paired
     assert loose.ci_low < 0 < loose.ci_high  # what the unpaired bootstrap made of it
@@ -213,7 +217,7 @@ def test_disjoint_request_ids_fall_back_to_unpaired() -> None:
     assert v.word == "VALIDATED"
     assert not p.paired
     assert p.ci_low < p.change < p.ci_high < -0.05
-    assert v.to_dict()["variants"]["new"]["primary"]["paired"] is False
+    assert v.model_dump()["variants"]["new"]["primary"]["paired"] is False
 
 
 def test_paired_repeats_are_resampled_too() -> None:
@@ -282,17 +286,19 @@ def test_same_seed_same_verdict_other_seed_other_interval() -> None:
     a, b, c = judge(rows), judge(rows), judge(rows, seed=2)
     assert a.variants["new"].primary.paired
     assert a == b
-    assert a.to_dict() == b.to_dict()
+    assert a.model_dump() == b.model_dump()
     assert a.variants["new"].primary.ci_low != c.variants["new"].primary.ci_low
 
 
-def test_rank_percentile_matches_numpy_on_resamples() -> None:
+def test_percentile_from_counts_matches_numpy_on_resamples() -> None:
+    # the bootstrap evaluates percentiles from how often each sorted row was drawn
     rng = np.random.default_rng(7)
-    column = rng.lognormal(0, 1, 501)
-    column[rng.random(501) < 0.1] = np.nan
+    column = np.sort(rng.lognormal(0, 1, 501))
     for q in (50.0, 90.0, 95.0, 99.0):
-        fast = _RankPercentile(column, q)
         for _ in range(20):
             rows = rng.integers(0, column.size, column.size)
-            assert fast(rows) == latency_stat(column[rows], f"p{q:g}")
-    assert np.isnan(_RankPercentile(np.full(4, np.nan), 90.0)(np.arange(4)))
+            counts = np.bincount(rows, minlength=column.size)
+            assert counts_percentile(column, counts, q / 100) == latency_stat(
+                column[rows], f"p{q:g}"
+            )
+    assert np.isnan(counts_percentile(column[:4], np.zeros(4, dtype=int), 0.9))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from btb_lab.config.workload import WorkloadSpec
 from btb_lab.errors import UserError
 from btb_lab.workload import load_requests, validate_workload_spec
-from btb_lab.workload.spec import WorkloadSpec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
 

@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from btb_lab.cli import app
-from btb_lab.workload import WorkloadSpec, load_requests
+from btb_lab.config import WorkloadSpec
+from btb_lab.workload import load_requests
 from btb_lab.workload.audit import burst_audit
 
 REPO = Path(__file__).resolve().parents[2]

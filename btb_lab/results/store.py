@@ -1,9 +1,11 @@
-"""The results directory: layout, manifest, the durable record sink, parquet conversion.
+"""The results directory: layout, the durable record sink, parquet conversion.
 
 Backends stream finished records into JSONL parts (flushed on every write, so Ctrl-C or
 a crash loses nothing finished); the runner converts the parts to `requests.parquet`
-and `utilization.parquet` at the end, and readers fall back to the parts when a run
-never got that far.
+(raw stamps plus the latencies derived from them), `utilization.parquet` and
+`events.parquet` at the end,
+writing each to a temporary file renamed into place, and readers fall back to the parts
+when a run never got that far or a parquet file is unreadable.
 """
 
 from __future__ import annotations
@@ -20,28 +22,37 @@ from typing import Any, TextIO
 import pandas as pd
 
 from btb_lab.errors import UserError
-from btb_lab.records import RECORD_COLUMNS, UTIL_COLUMNS, RequestRecord, UtilSample
+from btb_lab.records import (
+    EVENT_COLUMNS,
+    RECORD_COLUMNS,
+    STORED_COLUMNS,
+    UTIL_COLUMNS,
+    EventRecord,
+    RequestRecord,
+    UtilSample,
+    derive_timings,
+)
 
 __all__ = [
     "JsonlRecordSink",
     "finalize_parquet",
     "new_run_dir",
     "new_run_id",
-    "read_manifest",
+    "read_events",
     "read_records",
     "read_utilization",
     "record_row",
     "resolve_run_dir",
+    "write_events_part",
     "write_json",
-    "write_manifest",
     "write_utilization_part",
 ]
 
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # results.manifest.Manifest reads and writes it
 PARTS_DIR = "parts"
 _FLOAT_COLUMNS = (
-    "arrival_s", "sent_s", "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s",
-    "queue_s", "kv_load_s", "kv_transfer_s", "prefill_s", "decode_s",
+    "arrival_s", "sent_s", "first_token_s", "finish_s", "queue_s", "kv_load_s",
+    "kv_transfer_s", "prefill_s", "decode_s",
 )  # fmt: skip
 _INT_COLUMNS = ("repeat", "input_tokens", "output_tokens", "cached_tokens", "turn")
 
@@ -75,23 +86,6 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     os.replace(tmp, path)
-
-
-def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
-    write_json(run_dir / MANIFEST, manifest)
-
-
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / MANIFEST
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{run_dir}: not a run directory (no {MANIFEST})") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: unreadable manifest: {exc}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: manifest is not a JSON object")
-    return data
 
 
 def resolve_run_dir(target: str | Path, results_root: Path = Path("results")) -> Path:
@@ -168,6 +162,26 @@ def write_utilization_part(
         os.fsync(fh.fileno())
 
 
+def write_events_part(
+    run_dir: Path, variant: str, repeat: int, events: Iterable[EventRecord]
+) -> None:
+    """The events of one variant × repeat, ordered by time (ties keep their order)."""
+    parts = run_dir / PARTS_DIR
+    parts.mkdir(parents=True, exist_ok=True)
+    path = parts / _part_name(variant, repeat, "events")
+    ordered = sorted(events, key=lambda e: e.time_s)
+    with path.open("w", encoding="utf-8") as fh:
+        for e in ordered:
+            row = {
+                "variant": variant, "repeat": repeat, "time_s": e.time_s, "kind": e.kind,
+                "instance": e.instance, "peer": e.peer, "request_id": e.request_id,
+                "value": e.value, "end_s": e.end_s, "label": e.label, "origin": e.origin,
+            }  # fmt: skip
+            fh.write(json.dumps(row, allow_nan=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for part in sorted((run_dir / PARTS_DIR).glob(f"{kind}-*.jsonl")):
@@ -184,6 +198,7 @@ def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def _typed_records(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+    """Rows of the parts as a typed frame with STORED_COLUMNS (+ `extra`)."""
     frame = pd.DataFrame(rows, columns=[*RECORD_COLUMNS, "extra"])
     for column in _FLOAT_COLUMNS:
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
@@ -196,7 +211,8 @@ def _typed_records(rows: list[dict[str, Any]], order: list[str] | None) -> pd.Da
         rank = {v: i for i, v in enumerate(order)}
         frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
         frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
-    return frame.reset_index(drop=True)
+    frame = derive_timings(frame.reset_index(drop=True))
+    return frame[[*STORED_COLUMNS, "extra"]]
 
 
 def _typed_util(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
@@ -213,26 +229,73 @@ def _typed_util(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataF
     return frame.reset_index(drop=True)
 
 
+def _typed_events(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+    frame = pd.DataFrame(rows, columns=list(EVENT_COLUMNS))
+    for column in ("time_s", "value", "end_s"):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
+    frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
+    for column in ("variant", "kind", "instance", "peer", "request_id", "label", "origin"):
+        frame[column] = frame[column].fillna("").astype(str)
+    if order:
+        rank = {v: i for i, v in enumerate(order)}
+        frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
+        frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
+    return frame.reset_index(drop=True)
+
+
+def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
+    """Temp file + rename: a crash mid-write leaves the old file or none, never half."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    frame.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
 def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> None:
-    """Convert the JSONL parts into `requests.parquet` and `utilization.parquet`."""
-    _typed_records(_read_parts(run_dir, "requests"), variant_order).to_parquet(
-        run_dir / "requests.parquet", index=False
+    """Convert the JSONL parts into `requests.parquet`, `utilization.parquet` and
+    `events.parquet`."""
+    _write_parquet(
+        _typed_records(_read_parts(run_dir, "requests"), variant_order),
+        run_dir / "requests.parquet",
     )
-    _typed_util(_read_parts(run_dir, "util"), variant_order).to_parquet(
-        run_dir / "utilization.parquet", index=False
+    _write_parquet(
+        _typed_util(_read_parts(run_dir, "util"), variant_order), run_dir / "utilization.parquet"
     )
+    _write_parquet(
+        _typed_events(_read_parts(run_dir, "events"), variant_order), run_dir / "events.parquet"
+    )
+
+
+def _read_parquet(path: Path) -> pd.DataFrame | None:
+    """The parquet file, or None when it is absent or unreadable (cut short by a crash)."""
+    if not path.is_file():
+        return None
+    import pyarrow as pa
+
+    try:
+        return pd.read_parquet(path)
+    except (OSError, pa.ArrowException):
+        return None
 
 
 def read_records(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
     """All records of a run: the parquet file, or the JSONL parts of an unfinished run."""
-    path = run_dir / "requests.parquet"
-    if path.is_file():
-        return pd.read_parquet(path)
+    frame = _read_parquet(run_dir / "requests.parquet")
+    if frame is not None:
+        return frame
     return _typed_records(_read_parts(run_dir, "requests"), variant_order)
 
 
 def read_utilization(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
-    path = run_dir / "utilization.parquet"
-    if path.is_file():
-        return pd.read_parquet(path)
+    frame = _read_parquet(run_dir / "utilization.parquet")
+    if frame is not None:
+        return frame
     return _typed_util(_read_parts(run_dir, "util"), variant_order)
+
+
+def read_events(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
+    """Every event of a run (EVENT_COLUMNS): `events.parquet`, or the JSONL parts; an empty
+    frame for runs stored before events were recorded."""
+    frame = _read_parquet(run_dir / "events.parquet")
+    if frame is not None:
+        return frame
+    return _typed_events(_read_parts(run_dir, "events"), variant_order)

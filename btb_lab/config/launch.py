@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 
 __all__ = ["LaunchSettings"]
 

@@ -1,4 +1,6 @@
-"""Simulator fidelity settings: every simplification is a named, recorded setting."""
+"""Simulator fidelity settings (the `sim:` block): every simplification is a named,
+recorded setting. Cost-model parameters shared with the cluster backend live in
+`config.costs` instead."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from btb_lab.config import StrictModel
+from btb_lab.config.base import StrictModel
 
 __all__ = ["SimSettings"]
 
@@ -41,16 +43,11 @@ class SimSettings(StrictModel):
     layerwise: bool = Field(
         False, description="KV transfer overlaps the producer's prefill layer by layer."
     )
-    transfer_setup_ms: float = Field(
-        1.0, ge=0, description="Fixed latency of one KV transfer between instances."
-    )
     connector_decode_slowdown: float = Field(
         0.0,
         ge=0,
         description="Relative decode-step slowdown on instances running a KV connector (H1).",
     )
-    mfu: float = Field(0.5, gt=0, le=1, description="Model FLOP utilization during prefill.")
-    mbu: float = Field(0.8, gt=0, le=1, description="Memory bandwidth utilization in decode.")
     max_batch: int = Field(256, ge=1, description="Continuous-batching limit per instance.")
     host_ram_tier: bool = Field(True, description="Evicted HBM blocks move to host RAM.")
     disk_tier: bool = Field(False, description="Blocks evicted from host RAM move to disk.")
@@ -61,13 +58,6 @@ class SimSettings(StrictModel):
         True,
         description="KV received from another instance enters the receiver's prefix cache "
         "and serves later turns (H6; only a real cluster can settle it).",
-    )
-    gpu_memory_utilization: float = Field(
-        0.9,
-        gt=0,
-        le=1,
-        description="Fraction of HBM the engine may use (vLLM's gpu_memory_utilization); KV "
-        "gets what is left after the weights.",
     )
     sample_interval_s: float = Field(
         1.0, gt=0, description="Utilization sampling period on the simulated clock."

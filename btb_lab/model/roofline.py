@@ -1,32 +1,24 @@
-"""Modeled costs: prefill compute, KV movement per tier, and the seed's cost table.
-
-The same formulas serve the simulator, cost-based policies (through `SimCostModel`, the
-`CostModel` protocol of `btb_lab.policies.base`) and `btb-lab sim costs`.
+"""Roofline formulas: compute-bound prefill, KV movement per tier over its bandwidth, and
+the seed's cost table (`btb-lab sim costs`). `costmodel.RooflineCostModel` builds on
+these for the engine and the policies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from btb_lab.sim.hardware import InstanceSpec, build_instances
-
-if TYPE_CHECKING:
-    from btb_lab.hypothesis.schema import ClusterSpec, Hypothesis, ModelShape
-    from btb_lab.sim.settings import SimSettings
+from btb_lab.model.hardware import InstanceSpec
 
 __all__ = [
     "COST_TABLE_TIERS",
     "COST_TABLE_TOKENS",
-    "SimCostModel",
-    "build_cost_model",
     "cost_table",
     "format_ms",
     "format_tokens",
     "load_s",
     "prefill_s",
     "render_cost_table",
+    "tier_bandwidth",
 ]
 
 COST_TABLE_TOKENS: tuple[int, ...] = (500, 1_000, 2_000, 8_000, 16_000, 32_000)
@@ -107,42 +99,3 @@ def render_cost_table(
     for tier in COST_TABLE_TIERS:
         lines.append(f"| {tier} | " + " | ".join(format_ms(v) for v in table[tier]) + " |")
     return "\n".join(lines)
-
-
-@dataclass
-class SimCostModel:
-    """`CostModel` for policies: the simulator's own prefill and RDMA transfer formulas."""
-
-    instances: list[InstanceSpec]
-    mfu: float = 0.5
-    transfer_setup_s: float = 1e-3
-
-    def prefill_s(self, instance: int, tokens: int) -> float:
-        return prefill_s(self.instances[instance], tokens, self.mfu)
-
-    def transfer_s(self, tokens: int, source: int, target: int) -> float:
-        """Setup latency + bytes over the slower of the two instances' RDMA links."""
-        src, dst = self.instances[source], self.instances[target]
-        bw = min(src.rdma_bw, dst.rdma_bw)
-        return self.transfer_setup_s + tokens * dst.kv_bytes_per_token / bw
-
-    def load_s(self, instance: int, tokens: int, tier: str) -> float:
-        return load_s(self.instances[instance], tokens, tier)
-
-
-def build_cost_model(
-    hypothesis: Hypothesis,
-    *,
-    sim: SimSettings | None = None,
-    cluster: ClusterSpec | None = None,
-    model: str | ModelShape | None = None,
-) -> SimCostModel:
-    """The cost model of a hypothesis (its model, topology and sim settings); the cluster
-    backend reuses it so cost-based policies see the same numbers in both worlds."""
-    settings = sim or hypothesis.sim
-    instances = build_instances(
-        model if model is not None else hypothesis.model,
-        cluster or hypothesis.cluster,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-    )
-    return SimCostModel(instances, settings.mfu, settings.transfer_setup_ms / 1e3)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from btb_lab.errors import UserError
 
 if TYPE_CHECKING:
-    from btb_lab.hypothesis.schema import ClusterSpec, ModelShape
+    from btb_lab.config.hypothesis import ClusterSpec, ModelShape
 
 __all__ = [
     "GPU_PRESETS",

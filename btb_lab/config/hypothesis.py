@@ -1,7 +1,9 @@
 """The hypothesis file: a research claim as a typed, strict, falsifiable experiment.
 
 Every field carries a description (shown by `btb-lab validate --explain` and in the
-README's tour). Cross-field rules live in model validators.
+README's tour). Cross-field rules live in model validators; checks that need a registry
+(policy names and parameters, model and GPU presets, workload generators) live in the
+loader (`btb_lab.hypothesis.loader`), which imports those registries.
 """
 
 from __future__ import annotations
@@ -9,21 +11,35 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import (
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-from btb_lab.cluster.settings import LaunchSettings
-from btb_lab.config import StrictModel
-from btb_lab.sim.settings import SimSettings
-from btb_lab.workload.spec import WorkloadSpec
+from btb_lab.config.base import StrictModel
+from btb_lab.config.costs import CostSettings, move_sim_aliases
+from btb_lab.config.launch import LaunchSettings
+from btb_lab.config.metrics import METRICS
+from btb_lab.config.sim import SimSettings
+from btb_lab.config.workload import WorkloadSpec
 
 __all__ = [
+    "NUMERIC_FIELDS",
+    "AutoRepeats",
     "ClassRule",
     "ClusterSpec",
     "Condition",
+    "Exclude",
     "Guard",
     "Hypothesis",
     "InstanceGroup",
     "KVConnector",
+    "KVRole",
     "ModelShape",
     "RouterSpec",
     "SeedVerdict",
@@ -127,12 +143,26 @@ class Variant(StrictModel):
     sim: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the `sim:` settings for this variant."
     )
+    costs: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the `costs:` block for this variant."
+    )
     cluster: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the `cluster:` block for this variant."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _cost_aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("sim"), dict):
+            data = dict(data)
+            move_sim_aliases(data)
+        return data
+
 
 Operator = Literal["<", "<=", ">", ">=", "==", "!="]
+NUMERIC_FIELDS = frozenset(
+    {"input_tokens", "output_tokens", "cached_tokens", "cached_fraction", "uncached_tokens", "turn"}
+)
 
 
 class Condition(StrictModel):
@@ -142,6 +172,22 @@ class Condition(StrictModel):
     ] = Field(description="Request field the rule tests.")  # fmt: skip
     op: Operator = Field(description="Comparison operator.")
     value: float | str = Field(description="Value compared against.")
+
+    @field_validator("op")
+    @classmethod
+    def _op_fits_field(cls, op: str, info: ValidationInfo) -> str:
+        field = info.data.get("field")
+        if field is not None and field not in NUMERIC_FIELDS and op not in ("==", "!="):
+            raise ValueError(f"{field} is text: use '==' or '!=' (got {op!r})")
+        return op
+
+    @field_validator("value")
+    @classmethod
+    def _value_fits_field(cls, value: float | str, info: ValidationInfo) -> float | str:
+        field = info.data.get("field")
+        if field in NUMERIC_FIELDS and isinstance(value, str):
+            raise ValueError(f"{field} compares with a number, got {value!r}")
+        return value
 
 
 class ClassRule(StrictModel):
@@ -154,18 +200,65 @@ class ClassRule(StrictModel):
 
 
 class Guard(StrictModel):
-    metric: str = Field(description="Metric name, e.g. ok_rate, ttft_p90, gpu_imbalance.")
-    klass: str | None = Field(None, alias="class", description="Restrict to one class.")
-    max_worse: float = Field(
-        description="Largest allowed worsening vs baseline: absolute for ok_rate "
-        "(0.01 = one point), relative otherwise (0.05 = 5%)."
+    metric: str = Field(
+        description="Metric name, e.g. ok_rate, ttft_p90, gpu_imbalance (checked against "
+        "`config.metrics` by the loader)."
     )
+    klass: str | None = Field(None, alias="class", description="Restrict to one class.")
+    pool: str | None = Field(
+        None, description="Restrict to one pool: the requests whose `source` is this."
+    )
+    max_worse: float = Field(
+        ge=0,
+        description="Largest allowed worsening vs baseline: absolute for ok_rate "
+        "(0.01 = one point), relative otherwise (0.05 = 5%).",
+    )
+
+
+class Exclude(StrictModel):
+    """Warmup and cooldown left out of metrics and verdicts, the same way on every backend:
+    measured on the workload's arrival times (target send times) of each repeat."""
+
+    first_s: float = Field(
+        0.0, ge=0, description="Leave out requests arriving in the first this many seconds."
+    )
+    last_s: float = Field(
+        0.0, ge=0, description="Leave out requests arriving in the last this many seconds."
+    )
+    first_requests: int = Field(0, ge=0, description="Leave out the first N requests.")
+    last_requests: int = Field(0, ge=0, description="Leave out the last N requests.")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.first_s or self.last_s or self.first_requests or self.last_requests)
 
 
 class VerdictRule(StrictModel):
     metric: str = Field(description="Primary metric, e.g. ttft_p90, tpot_p90, e2e_p50.")
     klass: str | None = Field(
         None, alias="class", description="Restrict the primary metric to one class."
+    )
+    pool: str | None = Field(
+        None,
+        description="Restrict the primary metric (and per-class checks) to one pool: the "
+        "requests whose `source` is this, e.g. `synthetic` (the bursty windows of "
+        "Bursted-ART) or `art` (the replayed real windows).",
+    )
+    exclude: Exclude | None = Field(
+        None,
+        description="Warmup / cooldown left out of every metric and the verdict: "
+        "{first_s, last_s} seconds or {first_requests, last_requests} of each repeat.",
+    )
+    multiplicity: Literal["holm", "none"] = Field(
+        "holm",
+        description="With several variants against one baseline: `holm` adjusts each "
+        "primary interval by Holm's step-down procedure (the verdict line says so); "
+        "`none` judges every comparison at the plain confidence level.",
+    )
+    require_all_repeats: bool = Field(
+        False,
+        description="One repeat whose change points against the claimed direction means "
+        "not confirmed (INCONCLUSIVE), however the pooled interval looks.",
     )
     direction: Literal["decrease", "increase"] = Field(
         "decrease", description="Claimed direction of change vs baseline."
@@ -184,6 +277,34 @@ class VerdictRule(StrictModel):
     min_ok_requests: int = Field(
         20, ge=1, description="Fewer successful requests per variant → INCONCLUSIVE."
     )
+
+    @model_validator(mode="after")
+    def _pools_are_request_scopes(self) -> VerdictRule:
+        scoped = [("verdict", self.metric, self.pool)]
+        scoped += [(f"guard {g.metric}", g.metric, g.pool) for g in self.guards]
+        for where, metric, pool in scoped:
+            if pool is not None and metric in METRICS and METRICS[metric].level != "request":
+                raise ValueError(f"{where}: metric {metric!r} cannot be restricted to a pool")
+        return self
+
+
+class AutoRepeats(StrictModel):
+    """`repeats: auto`: add repeats until every primary interval is tight enough."""
+
+    min: int = Field(3, ge=2, description="Repeats run before the first check.")
+    max: int = Field(20, ge=2, description="Never more repeats than this.")
+    half_width: float | None = Field(
+        None,
+        gt=0,
+        description="Stop once every primary interval's half-width is at most this "
+        "(relative, 0.05 = 5 points); default: the verdict's min_effect.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoRepeats:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
 
 
 class SeedVerdict(StrictModel):
@@ -213,14 +334,70 @@ class Hypothesis(StrictModel):
         "llama-3.3-70b", description="Model preset name or explicit shape."
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Topology.")
+    costs: CostSettings = Field(
+        default_factory=CostSettings,
+        description="The cost model both backends use (prefill, decode, KV transfer).",
+    )
     sim: SimSettings = Field(default_factory=SimSettings, description="Simulator fidelity.")
     workload: WorkloadSpec = Field(description="Requests to replay.")
     classes: list[ClassRule] = Field(default_factory=list, description="Ordered class rules.")
     variants: dict[str, Variant] = Field(min_length=1, description="Name → variant.")
     baseline: str = Field(description="Name of the baseline variant.")
-    repeats: int = Field(1, ge=1, description="Repeats of every variant.")
+    repeats: int = Field(
+        1,
+        ge=1,
+        description="Repeats of every variant (each draws a new workload seed); `auto` "
+        "runs `auto_repeats.min` and adds repeats until the intervals are tight.",
+    )
+    auto_repeats: AutoRepeats | None = Field(
+        None,
+        description="Adaptive repeats (set by `repeats: auto`): min, max and the target "
+        "half-width of the primary intervals.",
+    )
     seed: int = Field(0, ge=0, description="Master seed.")
     verdict: VerdictRule = Field(description="Decision rule.")
+
+    # `sim.<cost parameter>` spellings moved to `costs` while validating (aliases)
+    _aliases: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cost_aliases(cls, data: Any, handler: ModelWrapValidatorHandler[Hypothesis]) -> Hypothesis:
+        notes: list[str] = []
+        if isinstance(data, dict):
+            data = dict(data)
+            notes = move_sim_aliases(data)
+            # `repeats: auto` turns auto_repeats on (its defaults when absent); an explicit
+            # count (an override, `--repeats N`) turns it off
+            if data.get("repeats") == "auto":
+                auto = data.get("auto_repeats")
+                if auto is None:
+                    auto = data["auto_repeats"] = {}
+                data["repeats"] = auto.get("min", 3) if isinstance(auto, dict) else 3
+            elif "repeats" in data and data.get("auto_repeats") is not None:
+                data["auto_repeats"] = None
+            variants = data.get("variants")
+            if isinstance(variants, dict):
+                moved = {}
+                for name, variant in variants.items():
+                    if isinstance(variant, dict) and isinstance(variant.get("sim"), dict):
+                        variant = dict(variant)
+                        notes += move_sim_aliases(variant, where=f"variants.{name}.")
+                    moved[name] = variant
+                data["variants"] = moved
+        hyp = handler(data)
+        hyp._aliases = notes
+        return hyp
+
+    @field_serializer("repeats")
+    def _dump_repeats(self, repeats: int) -> int | str:
+        # stored hypotheses (manifests) read back as they were written: `repeats: auto`
+        return "auto" if self.auto_repeats is not None else repeats
+
+    @property
+    def aliases(self) -> list[str]:
+        """Deprecated spellings this hypothesis used, e.g. `sim.mfu → costs.mfu`."""
+        return list(self._aliases)
 
     @model_validator(mode="after")
     def _baseline_exists(self) -> Hypothesis:

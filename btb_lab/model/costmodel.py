@@ -1,0 +1,108 @@
+"""The cost model both worlds use: built once per variant from the hypothesis's model,
+topology and `costs:` block, handed to the simulator's engine (which advances its clock by
+these costs) and to the policies of either backend (through the `CostModel` protocol of
+`btb_lab.policies.base`, which this class satisfies structurally).
+
+`RooflineCostModel` is the roofline: compute-bound prefill at MFU, decode steps that read
+the active weights once and every context token's KV at MBU × HBM bandwidth, KV moved over
+each tier's bandwidth plus a fixed transfer setup latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from btb_lab.model.hardware import InstanceSpec, build_instances, resolve_model
+from btb_lab.model.roofline import tier_bandwidth
+
+if TYPE_CHECKING:
+    from btb_lab.config.costs import CostSettings
+    from btb_lab.config.hypothesis import Hypothesis
+
+__all__ = ["InstanceCosts", "RooflineCostModel", "build_cost_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceCosts:
+    """Per-token and per-step costs of one instance, in seconds (the engine's closed forms
+    are built from these)."""
+
+    prefill_token_s: float  # one uncached prompt token: 2 × active params / (FLOP/s × MFU)
+    decode_step_s: float  # fixed part of a decode step: active weight bytes / (HBM × MBU)
+    decode_context_token_s: float  # per context token per step: KV bytes / (HBM × MBU)
+    ram_token_s: float  # loading one token of KV from host RAM
+    disk_token_s: float  # loading one token of KV from disk
+    # Terms a fitted profile adds (model.profile); zero on the roofline.
+    prefill_fixed_s: float = 0.0  # per prefill
+    prefill_context_token_s: float = 0.0  # per (new token × context token): attention
+    prefill_cached_token_s: float = 0.0  # per cached prompt token brought into use
+    decode_seq_s: float = 0.0  # per running sequence per decode step
+
+
+class RooflineCostModel:
+    """Costs of every instance of one variant's cluster (index order = instance order)."""
+
+    name = "roofline"
+
+    def __init__(self, instances: list[InstanceSpec], settings: CostSettings) -> None:
+        self.instances = instances
+        self.settings = settings
+        self.transfer_setup_s = settings.transfer_setup_ms / 1e3
+        self.per_instance = [self._instance_costs(spec) for spec in instances]
+
+    def _instance_costs(self, spec: InstanceSpec) -> InstanceCosts:
+        kvb = spec.kv_bytes_per_token
+        bw = spec.hbm_bw * self.settings.mbu
+        return InstanceCosts(
+            prefill_token_s=2.0 * spec.model.active_params / (spec.flops * self.settings.mfu),
+            decode_step_s=spec.model.active_weight_bytes / bw,
+            decode_context_token_s=kvb / bw,
+            ram_token_s=kvb / spec.ram_bw,
+            disk_token_s=kvb / spec.disk_bw,
+        )
+
+    # CostModel (policies) -----------------------------------------------------------------
+    def prefill_s(self, instance: int, tokens: int) -> float:
+        """Computing `tokens` uncached prompt tokens on `instance`."""
+        return tokens * self.per_instance[instance].prefill_token_s
+
+    def transfer_s(self, tokens: int, source: int, target: int) -> float:
+        """Setup latency + the KV of `tokens` over the slower of the two RDMA links."""
+        kvb = self.instances[target].kv_bytes_per_token
+        return self.transfer_setup_s + tokens * kvb / self.link_bw(source, target)
+
+    def load_s(self, instance: int, tokens: int, tier: str) -> float:
+        """Making `tokens` of KV resident on `instance` from `tier` (hbm, ram, rdma, disk)."""
+        spec = self.instances[instance]
+        return tokens * spec.kv_bytes_per_token / tier_bandwidth(spec, tier)
+
+    # engine --------------------------------------------------------------------------------
+    def link_bw(self, source: int, target: int) -> float:
+        """Bytes/s of a KV copy from `source` to `target`: the slower RDMA link."""
+        return min(self.instances[source].rdma_bw, self.instances[target].rdma_bw)
+
+    def facts(self) -> dict[str, Any]:
+        """What shapes these costs, for manifests and reports."""
+        return {f"costs.{k}": v for k, v in self.settings.model_dump().items()}
+
+
+def build_cost_model(hypothesis: Hypothesis, base_dir: Path | None = None) -> RooflineCostModel:
+    """The cost model of a (variant-resolved) hypothesis: its model, topology and costs.
+    A profile path is relative to `base_dir` (the hypothesis file's folder)."""
+    instances = build_instances(
+        resolve_model(hypothesis.model),
+        hypothesis.cluster,
+        gpu_memory_utilization=hypothesis.costs.gpu_memory_utilization,
+    )
+    chosen = hypothesis.costs.model
+    if chosen == "roofline":
+        return RooflineCostModel(instances, hypothesis.costs)
+    from btb_lab.model.profile import ProfileCostModel, load_profile
+
+    path = Path(chosen.profile)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    profile, sha = load_profile(path)
+    return ProfileCostModel(instances, hypothesis.costs, profile, path=chosen.profile, sha256=sha)

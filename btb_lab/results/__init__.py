@@ -1,0 +1,37 @@
+"""Stored runs: the results directory (`store`: layout, durable record sink, parquet) and
+its manifest (`manifest`: the typed model every reader loads)."""
+
+from btb_lab.results.manifest import MANIFEST, Manifest, RunEntry, RunStatus
+from btb_lab.results.store import (
+    JsonlRecordSink,
+    finalize_parquet,
+    new_run_dir,
+    new_run_id,
+    read_events,
+    read_records,
+    read_utilization,
+    record_row,
+    resolve_run_dir,
+    write_events_part,
+    write_json,
+    write_utilization_part,
+)
+
+__all__ = [
+    "MANIFEST",
+    "JsonlRecordSink",
+    "Manifest",
+    "RunEntry",
+    "RunStatus",
+    "finalize_parquet",
+    "new_run_dir",
+    "new_run_id",
+    "read_events",
+    "read_records",
+    "read_utilization",
+    "record_row",
+    "resolve_run_dir",
+    "write_events_part",
+    "write_json",
+    "write_utilization_part",
+]
