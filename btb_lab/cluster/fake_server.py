@@ -253,6 +253,9 @@ class FakeVLLM:
                     send, *self._reject("remote-decode prefill must be max_tokens 1, no stream")
                 )
                 return
+            delay = self.config.prefill_delay_per_token_s * (len(prompt) - local)
+            if delay > 0:  # the producer computes what it does not hold
+                await asyncio.sleep(delay)
             rid = f"req-{next(self._ids)}"
             self.transfers[rid] = _Transfer(prompt)
             self.transfers[rid].done.set()

@@ -144,6 +144,7 @@ class RoutingStats:
     warms_ok: int = 0
     warms_failed: int = 0
     warms_skipped_duplicate: int = 0
+    parked_for_warm: int = 0  # requests that waited for a warm copy to their instance
     warm_s: list[float] = field(default_factory=list)
     transfers_failed: int = 0
     warms: list[dict[str, Any]] = field(default_factory=list)  # one entry per warm copy
@@ -159,6 +160,7 @@ class RoutingStats:
             "warms_ok": self.warms_ok,
             "warms_failed": self.warms_failed,
             "warms_skipped_duplicate": self.warms_skipped_duplicate,
+            "parked_for_warm": self.parked_for_warm,
             "warm_p50_s": warm[len(warm) // 2] if warm else None,
             "transfers_failed": self.transfers_failed,
             "warms": list(self.warms),
@@ -207,7 +209,9 @@ class Router:
             timeout_s=transfer_timeout_s,
         )  # fmt: skip
         self._warm_tasks: set[asyncio.Task[None]] = set()
-        self._warming: set[tuple[int, int, int]] = set()
+        # warm copies in flight: (target, blocks, last block) -> the prefix and its landing
+        self._warming: dict[tuple[int, int, int], tuple[tuple[int, ...], asyncio.Event]] = {}
+        self.transfer_timeout_s = transfer_timeout_s
         self._ids = itertools.count()
 
     def _url(self, instance: int) -> str:
@@ -246,13 +250,38 @@ class Router:
         blocks = request.block_hashes
         self.state.begin(inst, tokens, blocks)
         try:
+            parked_s = await self._park_for_warm(inst, blocks)
             payload = completion_payload(self.model, prompt, request.output_tokens)
             res = await self.client.stream_completion(self._url(inst), payload, self.clock)
         finally:
             self.state.end(inst, tokens)
         if res.first_token_s is not None:
             self.state.prefilled(inst, blocks)
-        return self._record(request, decision, res, target_s)
+        record = self._record(request, decision, res, target_s)
+        if parked_s is not None:
+            record.extra["parked_for_warm_s"] = round(parked_s, 6)
+        return record
+
+    async def _park_for_warm(self, instance: int, blocks: Sequence[int]) -> float | None:
+        """Hold a request whose prefix is being copied to its instance until the copy
+        lands (or fails, or the transfer timeout passes), so that it hits the copied KV
+        instead of computing the prefix beside it, as the simulator parks a request for a
+        warm copy in flight. The seconds it waited, or None when nothing was in flight."""
+        pending = [
+            done for (target, n, _), (prefix, done) in self._warming.items()
+            if target == instance and n <= len(blocks) and tuple(blocks[:n]) == prefix
+        ]  # fmt: skip
+        if not pending:
+            return None
+        self.stats.parked_for_warm += 1
+        start = self.clock.now()
+        waits = [asyncio.create_task(done.wait()) for done in pending]
+        try:
+            await asyncio.wait(waits, timeout=self.transfer_timeout_s)
+        finally:
+            for task in waits:
+                task.cancel()
+        return self.clock.now() - start
 
     async def _offload(
         self, request: Request, decision: Decision, prompt: list[int], target_s: float
@@ -346,8 +375,8 @@ class Router:
         if key in self._warming:
             self.stats.warms_skipped_duplicate += 1
             return
-        self._warming.add(key)
         blocks = request.block_hashes[:n]
+        self._warming[key] = (tuple(blocks), asyncio.Event())
         # The router believes it from now on (as for a routed request).
         self.state.routed[action.target].add(blocks)
         task = asyncio.create_task(self._warm(action, key, blocks, tokens, request))
@@ -387,7 +416,8 @@ class Router:
                 res = await self.client.stream_completion(self._url(target), body, self.clock)
         finally:
             self.state.end(target, len(tokens))
-            self._warming.discard(key)
+            _, landed = self._warming.pop(key)
+            landed.set()
         entry: dict[str, Any] = {
             "request_id": request.request_id,
             "source": None if action.source is None else self.endpoints[action.source].name,

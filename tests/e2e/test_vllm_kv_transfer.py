@@ -332,4 +332,11 @@ def test_zz_stopping_leaves_no_process_and_no_side_channel(cluster: Cluster) -> 
         for port in (spec.port, spec.side_channel_port):
             assert port is not None
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((spec.host, port))  # free again: nobody listens there
+                # SO_REUSEADDR: connections the servers closed may linger in TIME_WAIT on
+                # these ports; Linux still refuses the bind while anything listens there
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((spec.host, port))
+                    sock.listen()
+                except OSError as exc:
+                    pytest.fail(f"{spec.name} port {port} still taken after stop: {exc}")

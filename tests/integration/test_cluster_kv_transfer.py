@@ -210,6 +210,34 @@ def test_btb_warm_copy_reads_the_prefix_into_the_target(nixl_fakes: Any) -> None
     assert router.state.complete_blocks(1, (1, 2)) == 1
 
 
+def test_a_request_waits_for_the_warm_copy_of_its_prefix_to_its_instance(
+    nixl_fakes: Any,
+) -> None:
+    """BTB routes the request that fired the burst to a target it is warming at that very
+    moment: the request waits until the copy has landed, then hits the copied prefix,
+    instead of computing it beside the copy (the simulator parks it the same way)."""
+    (a_app, a_ep), (b_app, b_ep) = nixl_fakes
+    a_app.config.prefill_delay_per_token_s = 0.01  # the holder takes ~0.3 s to produce it
+    warm = WarmAction(source=0, target=1, n_blocks=1, mode="rdma")
+    policy = Scripted(Decision(instance=1, route="WARM_HIT", warm=(warm,)))
+    sink, router = run([a_ep, b_ep], policy, [req(0)], connector=NIXL)
+    (rec,) = sink.records
+    (entry,) = router.stats.warms
+    assert rec.ok
+    assert entry["ok"]
+    pull, plain = b_app.requests  # the copy first, then the request
+    assert pull["kv_transfer_params"]["do_remote_prefill"] is True
+    assert "kv_transfer_params" not in plain
+    assert rec.sent_s >= entry["end_s"] - 1e-3
+    assert rec.extra["parked_for_warm_s"] >= 0.2
+    assert rec.cached_tokens == 32  # the copied block, found in the target's own cache
+    assert router.stats.parked_for_warm == 1
+    # a request elsewhere, or after the copy landed, does not wait
+    sink, router = run([a_ep, b_ep], Scripted(Decision(instance=1)), [req(1)], connector=NIXL)
+    assert "parked_for_warm_s" not in sink.records[0].extra
+    assert router.stats.parked_for_warm == 0
+
+
 def test_example_connector_sends_the_consumer_after_the_producer_answered() -> None:
     order: list[str] = []
 
