@@ -55,15 +55,17 @@ def serve(
         if launch.endpoints:
             endpoints = plan_endpoints(hyp.cluster)
         else:
-            endpoints = launcher.start(plan_instances(hyp.cluster, model=model))
+            specs = plan_instances(hyp.cluster, model=model, block_tokens=hyp.workload.block_tokens)
+            endpoints = launcher.start(specs)
         client = make_client(
             request_timeout_s=launch.request_timeout_s,
             connect_timeout_s=launch.connect_timeout_s,
             max_connections=launch.max_connections,
         )
         router = make_router(
-            endpoints, policy, build_cost_model(hyp, loaded.base_dir), client=client, model=model
-        )
+            endpoints, policy, build_cost_model(hyp, loaded.base_dir), client=client,
+            model=model, connector=hyp.cluster.kv_connector,
+        )  # fmt: skip
         app = build_proxy_app(router, block_tokens=hyp.workload.block_tokens)
         for ep in endpoints:
             typer.echo(f"{ep.name} ({ep.role}) {ep.base_url}")

@@ -28,6 +28,7 @@ from btb_lab.cluster.telemetry import (
     NvmlSampler,
     Sampler,
     cache_hit_rates,
+    kv_sources,
     metrics_delta,
     nvml_available,
     scrape_all,
@@ -126,8 +127,8 @@ def _vllm_version() -> str | None:
     return None
 
 
-def _launch_key(cluster: ClusterSpec, model: str) -> str:
-    return json.dumps([cluster.model_dump(mode="json"), model], sort_keys=True)
+def _launch_key(cluster: ClusterSpec, model: str, block_tokens: int) -> str:
+    return json.dumps([cluster.model_dump(mode="json"), model, block_tokens], sort_keys=True)
 
 
 class ClusterBackend:
@@ -156,13 +157,15 @@ class ClusterBackend:
         if launch.endpoints:
             self.close()
             return plan_endpoints(cluster), "attached"
-        key = _launch_key(cluster, model)
+        key = _launch_key(cluster, model, ctx.hypothesis.workload.block_tokens)
         if self._launcher is not None and self._launcher.running:
             if not launch.fresh_restart and key == self._launch_key:
                 self._launcher.check_alive()
                 return self._endpoints, "reused"
             self.close()
-        plan = functools.partial(plan_instances, model=model)  # also run on Ray nodes
+        plan = functools.partial(  # also run on Ray nodes
+            plan_instances, model=model, block_tokens=ctx.hypothesis.workload.block_tokens
+        )
         launcher = new_launcher(cluster, ctx.run_dir / "instances", plan)
         self._launcher = launcher
         self._endpoints = launcher.start(plan(cluster), label=f"{ctx.variant_name} r{ctx.repeat}")
@@ -223,12 +226,14 @@ class ClusterBackend:
         )
         sampler = self._sampler(ctx, endpoints, clock)
         periodic: list[tuple[float, dict[str, Any]]] = []
+        connector = hyp.cluster.kv_connector
         async with client:
             router = Router(
                 endpoints, policy, ctx.costs, client=client, clock=clock, model=model,
-                prompt_fn=prompt_function(ctx.seed, vocab), connector=hyp.cluster.kv_connector.type,
+                prompt_fn=prompt_function(ctx.seed, vocab), connector=connector,
                 cache_blocks=launch.router_cache_blocks, variant=ctx.variant_name,
                 repeat=ctx.repeat,
+                transfer_timeout_s=connector.transfer_timeout_s or launch.request_timeout_s,
             )  # fmt: skip
             await client.warm([ep.base_url for ep in endpoints])
             before = await scrape_all(client, endpoints)
@@ -263,6 +268,7 @@ class ClusterBackend:
             "router_view": "routed",
             "kv_visibility": "after_prefill",
             "request_timeout_s": launch.request_timeout_s,
+            "block_size": None if launch.endpoints else hyp.workload.block_tokens,
             "prompt_vocab_size": vocab,
             "driver_loop": event_loop_name(),
             "driver_lag_p50_ms": round(stats.lag_p50_ms, 3),
@@ -274,6 +280,7 @@ class ClusterBackend:
                 "after": after,
                 "delta": delta,
                 "cache_hit_rate": cache_hit_rates(delta),
+                "kv_sources": kv_sources(delta),
                 "periodic": periodic,
             },
             "driver": stats.as_dict(),

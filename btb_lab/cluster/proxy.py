@@ -143,10 +143,17 @@ def build_proxy_app(router: Router, *, block_tokens: int) -> Starlette:
 
 
 def make_router(
-    endpoints: list[Endpoint], policy: Any, costs: Any, *, client: ClientPool, model: str
+    endpoints: list[Endpoint],
+    policy: Any,
+    costs: Any,
+    *,
+    client: ClientPool,
+    model: str,
+    connector: Any = "none",
 ) -> Router:
-    """A Router for the proxy (prompts arrive as token ids; no workload prompts)."""
+    """A Router for the proxy (prompts arrive as token ids; no workload prompts). Warm
+    copies go through `connector` (a KVConnector spec or a type name)."""
     return Router(
         endpoints, policy, costs, client=client, clock=RunClock(), model=model,
-        prompt_fn=lambda r: [], variant="proxy",
+        prompt_fn=lambda r: [], variant="proxy", connector=connector,
     )  # fmt: skip

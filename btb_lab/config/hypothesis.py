@@ -40,6 +40,7 @@ __all__ = [
     "Hypothesis",
     "InstanceGroup",
     "KVConnector",
+    "KVRole",
     "ModelShape",
     "RouterSpec",
     "SeedVerdict",
@@ -71,12 +72,51 @@ class InstanceGroup(StrictModel):
     gpus: int = Field(1, ge=1, description="GPUs per instance (tensor-parallel size).")
 
 
+KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
+
+
 class KVConnector(StrictModel):
-    type: Literal["none", "mooncake"] = Field("none", description="KV transfer connector.")
-    role: Literal["kv_both", "kv_producer", "kv_consumer"] = Field(
-        "kv_both", description="vLLM kv_role of every instance."
+    type: Literal["none", "nixl", "example", "mooncake"] = Field(
+        "none",
+        description="KV transfer connector: nixl (vLLM's NixlConnector, CPU or CUDA buffers), "
+        "example (vLLM's ExampleConnector: KV handed over through a shared folder), mooncake.",
+    )
+    role: KVRole = Field("kv_both", description="vLLM kv_role of every instance.")
+    roles: dict[Literal["C", "PS"], KVRole] = Field(
+        default_factory=dict,
+        description="kv_role per instance role, overriding `role` (e.g. PS: kv_producer).",
     )
     protocol: str = Field("rdma", description="Mooncake transport protocol (rdma, tcp).")
+    kv_buffer_device: Literal["cpu", "cuda"] | None = Field(
+        None,
+        description="nixl: where KV is staged for transfer; defaults to cpu when "
+        "cluster.launch.device is cpu, else cuda.",
+    )
+    nixl_progress_delay_us: int | None = Field(
+        1000,
+        ge=1,
+        description="nixl: poll timeout of NIXL's UCX progress thread, which nixl's Python API "
+        "sets to 0 (a busy loop costing a core per instance); null runs vLLM's stock "
+        "NixlConnector unchanged.",
+    )
+    shared_storage_path: str | None = Field(
+        None,
+        description="example: folder the KV files go to (a fresh subfolder per launch, "
+        "removed at teardown); defaults to the system temp folder.",
+    )
+    transfer_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Read timeout of each leg of a KV transfer (producer prefill, consumer "
+        "fetch); a transfer that exceeds it is a failed request. Defaults to "
+        "cluster.launch.request_timeout_s.",
+    )
+    attribute_transfers: bool = Field(
+        True,
+        description="Serialize the KV fetches into each instance (from the consumer request "
+        "to its first token) so /metrics deltas give each request its own transferred tokens, "
+        "bytes and transfer time; false lets fetches overlap and counts them per instance only.",
+    )
 
 
 class ClusterSpec(StrictModel):
