@@ -23,7 +23,13 @@ from btb_lab.errors import UserError
 from btb_lab.records import derive_timings
 from btb_lab.results import Manifest, read_records, read_utilization
 
-__all__ = ["AnalyzedRun", "analyze_frames", "analyze_run", "summarize_fidelity"]
+__all__ = [
+    "AnalyzedRun",
+    "analyze_frames",
+    "analyze_run",
+    "incomplete_reason",
+    "summarize_fidelity",
+]
 
 
 @dataclass
@@ -61,7 +67,7 @@ def analyze_frames(
     *,
     variants: list[str],
     failed: Sequence[str] = (),
-    incomplete: bool = False,
+    incomplete: bool | str = False,
 ) -> tuple[pd.DataFrame, Verdict, dict[str, VariantSummary]]:
     """Timings, classes, per-variant metrics and the verdict for a set of records."""
     records = derive_timings(records)
@@ -87,6 +93,17 @@ def stored_hypothesis(manifest: Manifest, run_dir: Path) -> Hypothesis:
         ) from None
 
 
+def incomplete_reason(manifest: Manifest) -> str:
+    """Why a run is incomplete, as the verdict's reason says it."""
+    if manifest.error:
+        return f"run failed: {manifest.error}"
+    if manifest.interrupted:
+        return "run incomplete (interrupted)"
+    if manifest.finished is None:
+        return "run incomplete (it stopped without recording an end: killed?)"
+    return "run incomplete"
+
+
 def analyze_run(run_dir: Path) -> AnalyzedRun:
     """Everything the report needs, computed from the stored run."""
     manifest = Manifest.load(run_dir)
@@ -96,7 +113,7 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
     util = read_utilization(run_dir, variants)
     records, verdict, variant_block = analyze_frames(
         hypothesis, records, util, variants=variants, failed=manifest.failed_variants,
-        incomplete=not manifest.complete,
+        incomplete=False if manifest.complete else incomplete_reason(manifest),
     )  # fmt: skip
     rule = hypothesis.verdict
     summary = Summary(

@@ -44,16 +44,23 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
-    import yaml
+def _parse_set(items: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`--set dotted.path=VALUE` items: the overrides (values read as YAML, with the
+    hypothesis loader's checks) and, per key, the `--set` it came from."""
+    from btb_lab.hypothesis.loader import parse_yaml_value
+    from btb_lab.redact import redact_argv
 
     out: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise UserError(f"--set {item!r}: expected dotted.path=value")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+        label = f"--set {redact_argv([f'{key}={value}'])[0]}"
+        out[key] = parse_yaml_value(value, label)
+        origins[key] = label
+    return out, origins
 
 
 def _explain(model: Any, prefix: str = "") -> list[str]:
@@ -137,20 +144,22 @@ def register(app: typer.Typer) -> None:
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress display."),
     ) -> None:
         """Run every variant × repeat, store the results, print the summary and verdict."""
+        from btb_lab.interrupts import exit_code
         from btb_lab.runner import RunInterrupted, RunOptions, run_hypothesis
 
+        overrides, origins = _parse_set(set_)
         options = RunOptions(
             backend=backend, out=out, repeats=repeats, requests=requests,
             time_scale=time_scale, seed=seed, dry_run=dry_run,
             variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
-            progress=not no_progress, overrides=_parse_set(set_),
+            progress=not no_progress, overrides=overrides, origins=origins,
         )  # fmt: skip
         try:
             outcome = run_hypothesis(file, options)
         except RunInterrupted as exc:
             typer.echo(f"interrupted: finished records kept in {exc.run_dir} "
                        f"(report: {exc.run_dir / 'report.md'})", err=True)  # fmt: skip
-            raise typer.Exit(130) from None
+            raise typer.Exit(exit_code(exc)) from None
         if dry_run:
             assert outcome.plan is not None
             typer.echo("\n".join(outcome.plan.describe()))

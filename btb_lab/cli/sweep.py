@@ -35,11 +35,13 @@ def register(app: typer.Typer) -> None:
         """Run every point of a sweep as its own run directory, skipping finished points
         (resume), then write table.csv, table.md and plot.png into the sweep directory."""
         from btb_lab.sweep import default_sweep_dir, expand_points, load_sweep, run_sweep
+        from btb_lab.sweep.engine import check_points, plan_tasks
 
         if executor not in (None, "local", "ray"):
             raise UserError(f"--executor: {executor!r} is not one of: local, ray")
         if dry_run:
             loaded = load_sweep(file)
+            check_points(loaded, plan_tasks(loaded, out or default_sweep_dir(loaded), seed=seed))
             points = expand_points(loaded.spec)
             typer.echo(f"sweep {loaded.spec.name}: base {loaded.base_path}, {len(points)} points")
             for p in points:

@@ -23,6 +23,18 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(fig: Any, path: Path) -> None:
+    """PNG bytes rendered in memory, then written atomically (a full disk or a kill never
+    leaves half an image)."""
+    import io
+
+    from btb_lab.results import write_atomic
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata=_META)
+    write_atomic(path, buffer.getvalue())
+
+
 def write_plots(
     plots_dir: Path,
     records: pd.DataFrame,
@@ -49,7 +61,7 @@ def write_plots(
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(plots_dir / "ttft_cdf.png", dpi=100, metadata=_META)
+        _save(fig, plots_dir / "ttft_cdf.png")
         plt.close(fig)
         written.append(("TTFT CDF per variant", "plots/ttft_cdf.png"))
 
@@ -69,7 +81,7 @@ def write_plots(
         ax.set_title("TTFT per class (p50 solid, p90 light)")
         ax.legend(fontsize="small")
         fig.tight_layout()
-        fig.savefig(plots_dir / "class_ttft.png", dpi=100, metadata=_META)
+        _save(fig, plots_dir / "class_ttft.png")
         plt.close(fig)
         written.append(("TTFT per class", "plots/class_ttft.png"))
 
@@ -88,7 +100,7 @@ def write_plots(
         ax.set_title("Utilization per instance")
         ax.legend(fontsize="small")
         fig.tight_layout()
-        fig.savefig(plots_dir / "utilization.png", dpi=100, metadata=_META)
+        _save(fig, plots_dir / "utilization.png")
         plt.close(fig)
         written.append(("Utilization per instance", "plots/utilization.png"))
     return written

@@ -16,7 +16,7 @@ from btb_lab.analysis.models import RequestMetrics, Summary
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
-from btb_lab.results import RunEntry
+from btb_lab.results import RunEntry, write_atomic
 
 __all__ = [
     "build_report",
@@ -270,5 +270,5 @@ def build_report(run_dir: Path) -> AnalyzedRun:
         run_dir / "plots", run.records, run.utilization,
         list(run.summary.variants), [r.name for r in run.hypothesis.classes],
     )  # fmt: skip
-    (run_dir / "report.md").write_text(render_template("report.md.j2", context), encoding="utf-8")
+    write_atomic(run_dir / "report.md", render_template("report.md.j2", context))
     return run

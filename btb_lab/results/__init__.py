@@ -1,7 +1,15 @@
 """Stored runs: the results directory (`store`: layout, durable record sink, parquet) and
 its manifest (`manifest`: the typed model every reader loads)."""
 
-from btb_lab.results.manifest import MANIFEST, Manifest, RunEntry, RunStatus
+from btb_lab.results.manifest import (
+    MANIFEST,
+    Manifest,
+    RunEntry,
+    RunStatus,
+    full_runs,
+    resolve_run_dir,
+    stored_runs,
+)
 from btb_lab.results.store import (
     JsonlRecordSink,
     finalize_parquet,
@@ -10,7 +18,7 @@ from btb_lab.results.store import (
     read_records,
     read_utilization,
     record_row,
-    resolve_run_dir,
+    write_atomic,
     write_json,
     write_utilization_part,
 )
@@ -22,12 +30,15 @@ __all__ = [
     "RunEntry",
     "RunStatus",
     "finalize_parquet",
+    "full_runs",
     "new_run_dir",
     "new_run_id",
     "read_records",
     "read_utilization",
     "record_row",
     "resolve_run_dir",
+    "stored_runs",
+    "write_atomic",
     "write_json",
     "write_utilization_part",
 ]

@@ -7,6 +7,7 @@ gap by `time_scale` → lay windows end to end (`window_gap_s` apart) → set `b
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -111,12 +112,16 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
     """The requests a hypothesis replays, ordered by arrival, with `time_scale` applied."""
     validate_workload_spec(spec, base_dir)
     if spec.trace is not None:
+        path = _trace_path(spec, base_dir)
         loaded = load_trace(
-            _trace_path(spec, base_dir),
+            path,
             spec.trace.format,
             block_tokens=spec.block_tokens,
             skip_bad_rows=spec.trace.skip_bad_rows,
         )
+        if not loaded.requests:
+            skipped = f" ({len(loaded.bad_rows)} malformed rows skipped)" if loaded.bad_rows else ""
+            raise UserError(f"{path}: trace has no requests{skipped}")
     else:
         assert spec.generator is not None
         entry = GENERATORS.get(spec.generator.kind)
@@ -140,6 +145,10 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
         )
     for request in selected:
         request.block_tokens = spec.block_tokens
-    return RequestList(
-        apply_time_scale(selected, spec.time_scale, spec.window_gap_s), loaded.bad_rows
-    )
+    scaled = apply_time_scale(selected, spec.time_scale, spec.window_gap_s)
+    if not math.isfinite(scaled[-1].arrival_s):
+        raise UserError(
+            "workload: arrival times overflow to infinity after time_scale="
+            f"{spec.time_scale:g} and window_gap_s={spec.window_gap_s:g}; use smaller values"
+        )
+    return RequestList(scaled, loaded.bad_rows)
