@@ -42,6 +42,7 @@ from btb_lab.workload.loader import load_requests
 if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary, Verdict
 from btb_lab.results import (
+    MANIFEST,
     JsonlRecordSink,
     Manifest,
     RunEntry,
@@ -340,7 +341,12 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     )
     try:
         manifest.save(run_dir)
+        # Room for the last words: freed when the run ends, so that on a full disk the
+        # manifest can still record the error and the records their parquet files.
+        (run_dir / SPACE_RESERVE).write_bytes(bytes(SPACE_RESERVE_BYTES))
     except OSError as exc:
+        (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
+        (run_dir / MANIFEST).unlink(missing_ok=True)
         _remove_if_empty(run_dir)
         raise OutputError(describe_os_error(exc, run_dir)) from None
     interrupted: KeyboardInterrupt | None = None
@@ -394,6 +400,7 @@ def _finish(
 ) -> Exception | None:
     """Records first, then the manifest that says whether they are complete. Returns the
     failure to report (the run's own, or the first write that failed here)."""
+    (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
     if failure is not None:
         _record_failure(run_dir, manifest, failure)
     try:
@@ -419,6 +426,9 @@ def _finish(
 
 ERROR_FILE = "error-{variant}-r{repeat}.txt"
 RUN_ERROR_FILE = "error.txt"
+# A file of zeros each run directory holds while its run is going (see run_hypothesis).
+SPACE_RESERVE = ".space-reserve"
+SPACE_RESERVE_BYTES = 256 * 1024
 
 
 def _record_failure(run_dir: Path, manifest: Manifest, exc: BaseException) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-from btb_lab.errors import UserError
+from btb_lab.errors import OutputError, UserError, describe_os_error
 
 if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary
@@ -190,7 +190,10 @@ def register(app: typer.Typer) -> None:
         else:
             runs = [resolve_run_dir(target, results)]
         for run_dir in runs:
-            run = build_report(run_dir)
+            try:
+                run = build_report(run_dir)
+            except OSError as exc:  # a full or read-only disk: nothing half-written stays
+                raise OutputError(describe_os_error(exc, run_dir)) from None
             typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
 
     @log_app.command("append")
@@ -205,7 +208,10 @@ def register(app: typer.Typer) -> None:
         from btb_lab.results import resolve_run_dir
 
         path = resolve_run_dir(run_dir, results)
-        append_entry(path, log)
+        try:
+            append_entry(path, log)
+        except OSError as exc:
+            raise OutputError(describe_os_error(exc, log.parent)) from None
         typer.echo(f"{log}: entry for {path}")
 
     @log_app.command("show")
