@@ -54,7 +54,9 @@ def validate_workload_spec(spec: WorkloadSpec, base_dir: Path) -> None:
                 f"choose one of: {', '.join(FORMATS.names())}"
             )
         path = _trace_path(spec, base_dir)
-        if not path.is_file():
+        if path.is_dir():
+            problems.append(f"workload.trace.path: {path}: is a directory, not a trace file")
+        elif not path.is_file():
             problems.append(f"workload.trace.path: trace file not found: {path}")
     if spec.generator is not None:
         kind = spec.generator.kind
