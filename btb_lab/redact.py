@@ -8,7 +8,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["REDACTED", "is_secret_key", "redact_argv", "redact_value"]
+__all__ = [
+    "REDACTED",
+    "is_secret_key",
+    "redact_argv",
+    "redact_options",
+    "redact_text",
+    "redact_value",
+]
 
 REDACTED = "***"
 # The last segment of a key or flag: HF_TOKEN, api_key, --api-key, db.password. Plural
@@ -16,6 +23,15 @@ REDACTED = "***"
 _SECRET = re.compile(
     r"(?:^|[_.\-])(?:token|api[_\-]?key|key|secret|password|passwd|pwd|credentials?|auth"
     r"|authorization|cookie)$",
+    re.IGNORECASE,
+)
+
+
+_WORDS = r"token|api[_\-]?key|key|secret|password|passwd|pwd|credentials?|auth|authorization|cookie"
+# A secret key or flag inside free text (`[--api-key, sk-1]`, `{HF_TOKEN: x}`, `pwd=y`): the
+# secret word starts a segment of the key and ends it; the value is the next bare word.
+_IN_TEXT = re.compile(
+    rf"(?<![\w.\-])((?:[\w.\-]*[_.\-])?(?:{_WORDS}))(?![\w])(\s*[=:,]\s*|\s+)([^\s,\]}}'\"]+)",
     re.IGNORECASE,
 )
 
@@ -36,6 +52,23 @@ def redact_value(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return redact_argv([redact_value(v) for v in value])
     return value
+
+
+def redact_options(value: Any) -> Any:
+    """`redact_value` for the stored command-line options, whose strings (argv items,
+    `--set` labels) may carry a secret inside the text."""
+    value = redact_value(value)
+    if isinstance(value, dict):
+        return {k: redact_options(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_options(v) for v in value]
+    return redact_text(value) if isinstance(value, str) else value
+
+
+def redact_text(text: str) -> str:
+    """Free text (an argument, an override's label) with the value after every secret
+    key or flag in it replaced."""
+    return _IN_TEXT.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
 
 
 def redact_argv(argv: list[Any]) -> list[Any]:
@@ -63,5 +96,5 @@ def redact_argv(argv: list[Any]) -> list[Any]:
             out.append(arg)
             hide_next = True
         else:
-            out.append(arg)
+            out.append(redact_text(arg))
     return out

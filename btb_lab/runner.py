@@ -35,7 +35,7 @@ from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis
 from btb_lab.interrupts import terminate_interrupts
 from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.records import Request
-from btb_lab.redact import redact_argv, redact_value
+from btb_lab.redact import redact_argv, redact_options, redact_value
 from btb_lab.registry import Registry
 from btb_lab.workload.loader import load_requests
 
@@ -484,7 +484,8 @@ def _options_json(options: RunOptions) -> dict[str, Any]:
     data = asdict(options)
     for key in ("out", "results_root"):
         data[key] = None if data[key] is None else str(data[key])
-    return data
+    redacted: dict[str, Any] = redact_options(data)
+    return redacted
 
 
 def _variant_world(hyp: Hypothesis, name: str) -> tuple[Hypothesis, RooflineCostModel]:

@@ -110,9 +110,7 @@ def python_env(**extra: str) -> dict[str, str]:
 
     env = dict(os.environ)
     package_root = str(Path(btb_lab.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_root, env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 
