@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from btb_lab.config.base import StrictModel
 from btb_lab.config.limits import MAX_SWEEP_POINTS
@@ -32,10 +32,20 @@ class SweepPointSpec(StrictModel):
     )
 
 
+def _known_metric(name: str) -> str:
+    if name not in METRICS:
+        raise ValueError(f"unknown metric {name!r}; choose one of: " + ", ".join(METRICS))
+    return name
+
+
+# a metric of `config.metrics`, checked where it is written (`table.metrics.1`)
+MetricName = Annotated[str, AfterValidator(_known_metric)]
+
+
 class TableSpec(StrictModel):
     """What the sweep's table and plot show."""
 
-    metrics: list[str] = Field(
+    metrics: list[MetricName] = Field(
         default_factory=lambda: ["ttft_mean", "ttft_p95"],
         min_length=1,
         description="Per-variant metrics from summary.json: keys of `variants.<v>.all` "
@@ -59,28 +69,9 @@ class TableSpec(StrictModel):
         description="Add `<metric> reduction %` columns: (baseline − variant) / baseline × "
         "100, so a positive number means the variant is lower (better for latencies).",
     )
-    plot_metric: str | None = Field(
+    plot_metric: MetricName | None = Field(
         None, description="Metric drawn in plot.png; default: the first of `metrics`."
     )
-
-    @field_validator("metrics")
-    @classmethod
-    def _known_metrics(cls, metrics: list[str]) -> list[str]:
-        for name in metrics:
-            _check_metric(name)
-        return metrics
-
-    @field_validator("plot_metric")
-    @classmethod
-    def _known_plot_metric(cls, name: str | None) -> str | None:
-        if name is not None:
-            _check_metric(name)
-        return name
-
-
-def _check_metric(name: str) -> None:
-    if name not in METRICS:
-        raise ValueError(f"unknown metric {name!r}; choose one of: " + ", ".join(METRICS))
 
 
 class SweepSpec(StrictModel):
