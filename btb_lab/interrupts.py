@@ -11,7 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["Terminated", "exit_code", "terminate_interrupts"]
+__all__ = ["Terminated", "exit_code", "terminate_interrupts", "terminated"]
+
+# SIGTERMs this process received while `terminate_interrupts` was active
+_received: list[int] = []
 
 
 class Terminated(KeyboardInterrupt):
@@ -35,6 +38,7 @@ def terminate_interrupts() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        _received.append(signum)
         raise Terminated(signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -42,3 +46,8 @@ def terminate_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def terminated() -> bool:
+    """Whether a SIGTERM arrived (click reports any KeyboardInterrupt as exit 130)."""
+    return bool(_received)

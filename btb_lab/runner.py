@@ -369,7 +369,7 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         close = getattr(backend, "close", None)
         if callable(close):
             close()
-        failure = _finish(run_dir, manifest, plan, interrupted, failure)
+        failure, interrupted = _finish(run_dir, manifest, plan, interrupted, failure)
 
     from btb_lab.report.render import build_report
 
@@ -397,14 +397,17 @@ def _finish(
     plan: RunPlan,
     interrupted: KeyboardInterrupt | None,
     failure: Exception | None,
-) -> Exception | None:
+) -> tuple[Exception | None, KeyboardInterrupt | None]:
     """Records first, then the manifest that says whether they are complete. Returns the
-    failure to report (the run's own, or the first write that failed here)."""
+    failure to report (the run's own, or the first write that failed here) and the
+    interrupt (the run's own, or one that arrived while converting the records)."""
     (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
     if failure is not None:
         _record_failure(run_dir, manifest, failure)
     try:
         finalize_parquet(run_dir, plan.variants)
+    except KeyboardInterrupt as exc:  # the parts hold every record; readers use them
+        interrupted = interrupted or exc
     except OSError as exc:  # readers fall back to the JSONL parts
         if failure is None:
             failure = exc
@@ -421,7 +424,7 @@ def _finish(
         manifest.save(run_dir)
     except OSError as exc:  # the last saved manifest stays (it says "running")
         failure = failure or exc
-    return failure
+    return failure, interrupted
 
 
 ERROR_FILE = "error-{variant}-r{repeat}.txt"
@@ -513,14 +516,15 @@ def _run_one(
     )  # fmt: skip
     manifest.runs.append(entry)
     manifest.save(run_dir)
-    sink = JsonlRecordSink(run_dir, name, repeat)
-    resolved, costs = world
-    ctx = RunContext(
-        hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
-        seed=seed, run_dir=run_dir, sink=sink, costs=costs,
-        progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
-    )  # fmt: skip
+    sink: JsonlRecordSink | None = None
     try:
+        sink = JsonlRecordSink(run_dir, name, repeat)
+        resolved, costs = world
+        ctx = RunContext(
+            hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
+            seed=seed, run_dir=run_dir, sink=sink, costs=costs,
+            progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
+        )  # fmt: skip
         result = backend.run_variant(ctx, list(requests))
     except KeyboardInterrupt:
         entry.status = "interrupted"
@@ -542,9 +546,10 @@ def _run_one(
         return
     finally:
         try:
-            sink.close()
+            if sink is not None:
+                sink.close()
         finally:
-            entry.records = sink.count
+            entry.records = sink.count if sink is not None else 0
             entry.finished = _now()
             manifest.save(run_dir)
     write_utilization_part(run_dir, name, repeat, result.utilization)

@@ -7,6 +7,7 @@ Command groups live in sibling modules, one per pipeline area.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import typer
@@ -39,7 +40,7 @@ def main() -> None:
     same way; set BTB_LAB_DEBUG=1 to see the traceback instead. SIGTERM is handled like
     Ctrl-C in every command (exit 143 instead of 130).
     """
-    from btb_lab.interrupts import exit_code, terminate_interrupts
+    from btb_lab.interrupts import exit_code, terminate_interrupts, terminated
 
     try:
         # Without standalone mode click returns a command's exit code instead of exiting.
@@ -74,6 +75,8 @@ def main() -> None:
             raise
         typer.echo(f"error: {message}", err=True)
         sys.exit(2)
+    if rc == 130 and terminated():  # typer turns every KeyboardInterrupt into exit 130
+        rc = 128 + signal.SIGTERM
     if isinstance(rc, int) and rc:
         sys.exit(rc)
 
