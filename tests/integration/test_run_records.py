@@ -158,3 +158,40 @@ def test_credentials_given_on_the_command_line_are_not_stored(lab: Path) -> None
     hypothesis = manifest(lab / "run")["hypothesis"]
     assert hypothesis["cluster"]["launch"]["env"]["C"]["HF_TOKEN"] == "***"
     assert hypothesis["workload"]["block_tokens"] == 512  # token counts are not secrets
+
+
+# ------------------------------------------------------------------ concurrent appends
+
+
+def test_two_log_appends_at_once_keep_both_entries(lab: Path, monkeypatch) -> None:
+    import threading
+    import time
+
+    import btb_lab.report.log as log_module
+
+    first = good_run(lab)
+    hyp = write_small(lab / "hypotheses", "h2.yaml", **{"id: HS": "id: HS2"})
+    assert cli("run", hyp, "--no-progress").code == 0
+    (second,) = (lab / "results" / "HS2").iterdir()
+    slow_write = log_module.write_atomic
+
+    def write_slowly(path: Path, text: str) -> None:  # widen the read-modify-write window
+        time.sleep(0.3)
+        slow_write(path, text)
+
+    monkeypatch.setattr(log_module, "write_atomic", write_slowly)
+    log = lab / "LOG.md"
+    threads = [
+        threading.Thread(target=log_module.append_entry, args=(run, log)) for run in (first, second)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(hid for hid, _ in re_entries(log)) == ["HS", "HS2"]
+
+
+def re_entries(log: Path) -> list[tuple[str, str]]:
+    import re
+
+    return re.findall(r"^<!-- btb-lab:entry (\S+) run=(\S+) -->$", log.read_text(), re.M)
