@@ -62,7 +62,10 @@ def compose_yaml(text: str, path: Path | str) -> tuple[Any, dict[PathKey, int]]:
     """Parse YAML keeping the 1-based line of every key and list item. Refuses, with a
     line-numbered problem, syntax errors, duplicate keys (YAML would keep the last one
     silently) and alias bombs (more than MAX_YAML_NODES nodes once aliases expand)."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:  # a control character (a binary file?)
+        raise ValidationFailed([_reader_problem(exc, text, path)]) from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -86,11 +89,20 @@ def compose_yaml(text: str, path: Path | str) -> tuple[Any, dict[PathKey, int]]:
         raise ValidationFailed([f"{path}:{line}: YAML syntax error: {problem}"]) from None
     except RecursionError:  # thousands of nested brackets
         raise ValidationFailed([f"{path}:1: (YAML): nested too deeply"]) from None
+    except yaml.reader.ReaderError as exc:
+        raise ValidationFailed([_reader_problem(exc, text, path)]) from None
     except yaml.YAMLError as exc:
-        raise ValidationFailed([f"{path}:1: YAML error: {exc}"]) from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValidationFailed([f"{path}:1: YAML error: {first}"]) from None
     finally:
         loader.dispose()
     return data, lines
+
+
+def _reader_problem(exc: yaml.reader.ReaderError, text: str, path: Path | str) -> str:
+    line = text.count("\n", 0, exc.position) + 1
+    char = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
+    return f"{path}:{line}: (YAML): unacceptable character {char}: {exc.reason}"
 
 
 def parse_yaml_value(text: str, label: str) -> Any:

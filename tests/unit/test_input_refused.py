@@ -182,3 +182,11 @@ def test_an_error_in_the_file_is_still_blamed_on_its_line(tmp_path: Path) -> Non
     path = write_small(tmp_path, **{"repeats: 1": "repeats: many"})
     line = SMALL.splitlines().index("repeats: 1") + 1
     refused(cli("run", path, "--dry-run", "--set", "seed=4"), f"{path}:{line}: repeats:")
+
+
+def test_a_control_character_is_named_with_its_line(tmp_path: Path) -> None:
+    """Found by the fuzz test: PyYAML refuses it while opening the stream."""
+    path = tmp_path / "h.yaml"
+    path.write_bytes(SMALL.encode().replace(b"repeats: 1", b"repeats: 1\x00"))
+    line = SMALL.splitlines().index("repeats: 1") + 1
+    refused(cli("validate", path), f"{path}:{line}: (YAML): unacceptable character #x0000")
