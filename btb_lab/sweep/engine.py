@@ -164,9 +164,9 @@ def check_points(loaded: LoadedSweep, tasks: Sequence[PointTask]) -> None:
         variants.append(set(hyp.variants))
         classes |= {rule.name for rule in hyp.classes}
     if problems:
-        raise ValidationFailed(
-            problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        )
+        more = len(problems) - 20
+        tail = [f"{loaded.path}: ... and {more} more problems"] if more > 0 else []
+        raise ValidationFailed(problems[:20] + tail)
     table = loaded.spec.table
     path = loaded.path
     every = set.intersection(*variants) if variants else set()

@@ -388,7 +388,12 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
 class AgenticParams(StrictModel):
     """Multi-turn agent sessions: each turn re-sends the whole context plus new tokens."""
 
-    sessions: int = Field(80, ge=1, le=MAX_REQUESTS, description="Number of sessions.")
+    sessions: int = Field(
+        80,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Number of sessions (sessions × mean turns at most 10,000,000 requests).",
+    )
     session_rate_per_s: float = Field(0.2, gt=0, description="Poisson rate of session starts.")
     turns_mean: float = Field(2.5, ge=1, description="Mean turns per session (geometric).")
     max_turns: int = Field(12, ge=1, le=MAX_REQUESTS, description="Most turns in one session.")
@@ -510,7 +515,13 @@ def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
 class PoissonParams(StrictModel):
     """Poisson arrivals over synthetic prompts that share a few popular prefixes."""
 
-    requests: int = Field(1000, ge=1, le=MAX_REQUESTS, description="Number of requests.")
+    requests: int = Field(
+        1000,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Number of requests (at most MAX_REQUESTS = 10,000,000 per run, ten times "
+        "the one-million-request simulator benchmark).",
+    )
     rate_per_s: float = Field(5.0, gt=0, description="Mean arrival rate, requests per second.")
     prefixes: int = Field(16, ge=1, le=MAX_REQUESTS, description="Distinct shared prefixes.")
     prefix_tokens: int = Field(
