@@ -3,7 +3,8 @@
 The orchestrator (`btb_lab.runner`, which also holds the registry of backends by name)
 calls `run_variant` once per variant × repeat with the requests to replay; the backend
 streams RequestRecords into the sink as they finish (so an interrupt never loses finished
-rows) and returns utilization samples plus the settings that describe its fidelity.
+rows) and returns utilization samples, the events of the run (`EventRecord`) and the
+settings that describe its fidelity.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from btb_lab.records import Request, RequestRecord, UtilSample
+from btb_lab.records import EventRecord, Request, RequestRecord, UtilSample
 
 if TYPE_CHECKING:
     from btb_lab.config.hypothesis import Hypothesis, Variant
@@ -50,6 +51,8 @@ class RunContext:
 @dataclass
 class BackendResult:
     utilization: list[UtilSample] = field(default_factory=list)
+    # what happened over time (bursts, warm copies, KV transfers, queue and batch sizes)
+    events: list[EventRecord] = field(default_factory=list)
     # every setting that shapes the numbers (recorded in manifest and report)
     fidelity: dict[str, Any] = field(default_factory=dict)
     telemetry_source: str = "sim"  # sim | nvml | psutil

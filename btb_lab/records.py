@@ -1,6 +1,8 @@
 """Data contracts between pipeline stages: Request (workload out), RequestRecord (backend
-out) and UtilSample (telemetry). Plain slotted dataclasses: the simulator creates
-millions of them, so they stay cheap; validation happens at the edges.
+out), UtilSample (telemetry) and EventRecord (what the router, the engine and the
+policy did over time: bursts detected, warm copies, KV transfers, queue and batch
+sizes). Plain slotted dataclasses: the simulator creates millions of them, so they stay
+cheap; validation happens at the edges.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DERIVED_COLUMNS",
+    "EVENT_COLUMNS",
+    "EVENT_KINDS",
     "RECORD_COLUMNS",
     "STORED_COLUMNS",
     "UTIL_COLUMNS",
+    "EventRecord",
     "Request",
     "RequestRecord",
     "UtilSample",
@@ -88,6 +93,43 @@ class UtilSample:
     utilization: float  # 0..1
     memory_bytes: float = 0.0
     source: str = "sim"  # sim | nvml | psutil
+
+
+@dataclass(slots=True)
+class EventRecord:
+    """One thing that happened at a time on the run's clock, the same record in both worlds
+    (`events.parquet`, one row per event per variant per repeat). Kinds:
+
+    - `waiting` / `running`: `instance`'s queue depth / running batch became `value` at
+      `time_s` (a step function: it holds until the next event of that kind there);
+    - `burst_detected`: the policy marked a prefix active (`label` its key, `value` the
+      arrivals that fired it, `request_id` the one that did);
+    - `warm_copy`: a prefix copy to `instance` from `peer` (`label` rdma / prefill), started
+      at `time_s`, resident at `end_s` (NaN when it never landed), `value` its tokens;
+    - `kv_transfer`: the KV of an offloaded request (`request_id`) moving from its prefill
+      instance `peer` to its decode instance `instance`, `time_s` → `end_s`, `value` tokens.
+
+    `origin` says who recorded it: `engine` and `router` watch the work itself, `policy`
+    its decisions, `vllm_metrics` periodic /metrics scrapes, `records` a reconstruction
+    from request records' time stamps."""
+
+    time_s: float
+    kind: str
+    instance: str = ""
+    peer: str = ""
+    request_id: str = ""
+    value: float = 0.0
+    end_s: float | None = None
+    label: str = ""
+    origin: str = "engine"
+
+
+EVENT_KINDS: tuple[str, ...] = ("waiting", "running", "burst_detected", "warm_copy",
+                                "kv_transfer")  # fmt: skip
+EVENT_COLUMNS: tuple[str, ...] = (
+    "variant", "repeat", "time_s", "kind", "instance", "peer", "request_id", "value",
+    "end_s", "label", "origin",
+)  # fmt: skip
 
 
 # What a backend stamps (one JSONL row per record in the run's parts/).

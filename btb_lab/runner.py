@@ -13,6 +13,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import importlib.metadata
+import math
 import platform
 import signal
 import socket
@@ -49,6 +50,7 @@ from btb_lab.results import (
     finalize_parquet,
     new_run_dir,
     new_run_id,
+    write_events_part,
     write_utilization_part,
 )
 
@@ -142,14 +144,31 @@ class RunPlan:
                 f"workload: {self.requests_per_run if self.requests_per_run is not None else '?'} "
                 f"requests per run, time_scale {h.workload.time_scale:g}"
             ),
-            f"repeats: {self.repeats}, master seed {self.seed}",
+            f"repeats: {self.repeats_text()}, master seed {self.seed}",
             f"variants ({len(self.variants)}; baseline {h.baseline}):",
         ]
         for name in self.variants:
             v = h.variants[name]
             lines.append(f"  {name}: {v.router.policy} {v.router.params or ''}".rstrip())
-        lines.append(f"runs: {len(self.variants) * self.repeats} (variants × repeats)")
+        auto = self.hypothesis.auto_repeats
+        runs = len(self.variants) * self.repeats
+        if auto is not None:
+            lines.append(f"runs: {runs} to {len(self.variants) * auto.max} (variants × repeats)")
+        else:
+            lines.append(f"runs: {runs} (variants × repeats)")
         return lines
+
+    def repeats_text(self) -> str:
+        auto = self.hypothesis.auto_repeats
+        if auto is None:
+            return str(self.repeats)
+        target = (
+            auto.half_width if auto.half_width is not None else self.hypothesis.verdict.min_effect
+        )
+        return (
+            f"auto ({auto.min} to {auto.max}, until every primary interval's half-width is "
+            f"at most {target * 100:g} points)"
+        )
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -185,6 +204,9 @@ def _overrides(options: RunOptions) -> tuple[dict[str, Any], dict[str, str]]:
         if value is not None:
             merged[key] = value
             origins[key] = f"{flag} {value}"
+    if options.repeats is not None:
+        merged["auto_repeats"] = None  # an explicit count replaces `repeats: auto`
+        origins["auto_repeats"] = f"--repeats {options.repeats}"
     return merged, origins
 
 
@@ -313,7 +335,7 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     hyp, loaded = plan.hypothesis, plan.loaded
     # Every variant's resolved blocks and cost model, built once before anything runs (a
     # topology that does not fit fails here, not after the first variant ran).
-    worlds = {name: _variant_world(hyp, name) for name in plan.variants}
+    worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
     first_requests = _load_requests(loaded, first_seed)
     if plan.backend == "sim":
@@ -353,13 +375,23 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     failure: Exception | None = None
     try:
         with terminate_interrupts(), _Progress(options.progress) as progress:
-            for repeat in range(plan.repeats):
+            repeat = 0
+            planned = plan.repeats
+            while True:
                 workload_seed = derive_seed(plan.seed, "workload", repeat)
                 requests = first_requests if repeat == 0 else _load_requests(loaded, workload_seed)
                 manifest.requests_per_run = len(requests)
                 for name in plan.variants:
                     _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
                              manifest, progress, workload_seed)  # fmt: skip
+                repeat += 1
+                if repeat >= planned:
+                    planned = _repeats_needed(hyp, plan.variants, run_dir, manifest, repeat)
+                    if repeat >= planned:
+                        break
+                    manifest.repeats = planned  # `repeats: auto` goes past its minimum
+                    manifest.runs_planned = len(plan.variants) * planned
+                    manifest.save(run_dir)
     except KeyboardInterrupt as exc:
         interrupted = exc
     except Exception as exc:  # a later repeat's workload, a full disk, a bug: recorded
@@ -483,6 +515,41 @@ def _check_sim_sampling(
             )
 
 
+def _repeats_needed(
+    hyp: Hypothesis, variants: list[str], run_dir: Path, manifest: Manifest, done: int
+) -> int:
+    """How many repeats the run needs, judged after `done` of them: `repeats`, or with
+    `repeats: auto` as many as make every primary interval's half-width at most the
+    target — `done` when they already do, else the widest interval's projection (half-
+    widths shrink as 1/√repeats), at least one more and at most the cap. Stopping on the
+    interval's width, not on where it lies, keeps the rule from steering the verdict; a
+    failed run stops at once."""
+    auto = hyp.auto_repeats
+    if auto is None:
+        return hyp.repeats
+    if done < auto.min:
+        return auto.min
+    if done >= auto.max or manifest.failed_variants:
+        return done
+    from btb_lab.analysis.summary import measured_frames
+    from btb_lab.analysis.verdict import evaluate_verdict
+    from btb_lab.results import read_records, read_utilization
+
+    records, util, _ = measured_frames(
+        hyp, read_records(run_dir, variants), read_utilization(run_dir, variants)
+    )
+    verdict = evaluate_verdict(records, util, hyp.verdict, baseline=hyp.baseline,
+                               variants=variants, seed=hyp.seed)  # fmt: skip
+    target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
+    widths = [vv.primary.half_width for vv in verdict.variants.values() if vv.primary is not None]
+    if all(w is not None and w <= target + 1e-12 for w in widths):
+        return done
+    known = [w for w in widths if w is not None]
+    if len(known) < len(widths) or not known:
+        return done + 1
+    return min(auto.max, max(done + 1, math.ceil(done * (max(known) / target) ** 2)))
+
+
 def _options_json(options: RunOptions) -> dict[str, Any]:
     data = asdict(options)
     for key in ("out", "results_root"):
@@ -491,10 +558,12 @@ def _options_json(options: RunOptions) -> dict[str, Any]:
     return redacted
 
 
-def _variant_world(hyp: Hypothesis, name: str) -> tuple[Hypothesis, RooflineCostModel]:
+def _variant_world(
+    hyp: Hypothesis, name: str, base_dir: Path
+) -> tuple[Hypothesis, RooflineCostModel]:
     """The hypothesis as variant `name` sees it, and its cost model."""
     resolved = resolve_variant(hyp, name)
-    return resolved, build_cost_model(resolved)
+    return resolved, build_cost_model(resolved, base_dir)
 
 
 def _run_one(
@@ -523,7 +592,11 @@ def _run_one(
         ctx = RunContext(
             hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
             seed=seed, run_dir=run_dir, sink=sink, costs=costs,
-            progress=progress.task(f"{name} r{repeat + 1}/{hyp.repeats}", len(requests)),
+            progress=progress.task(
+                f"{name} r{repeat + 1}/"
+                + (f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)),
+                len(requests),
+            ),
         )  # fmt: skip
         result = backend.run_variant(ctx, list(requests))
     except KeyboardInterrupt:
@@ -553,6 +626,7 @@ def _run_one(
             entry.finished = _now()
             manifest.save(run_dir)
     write_utilization_part(run_dir, name, repeat, result.utilization)
+    write_events_part(run_dir, name, repeat, result.events)
     entry.status = "ok"
     manifest.fidelity[name] = dict(result.fidelity)
     manifest.telemetry_source = result.telemetry_source

@@ -44,14 +44,23 @@ def request_metrics(frame: pd.DataFrame) -> RequestMetrics:
     n = len(frame)
     ok = int(frame["ok"].astype(bool).sum()) if n else 0
     values: dict[str, float | None] = {}
-    columns: dict[str, np.ndarray] = {}
+    by_column: dict[str, list[MetricDef]] = {}
     for metric in _LATENCY_METRICS:
         assert metric.column is not None
-        if metric.column not in columns:
-            columns[metric.column] = (
-                frame[metric.column].to_numpy(dtype=float) if n else np.array([], dtype=float)
-            )
-        values[metric.name] = latency_stat(columns[metric.column], metric.statistic)
+        by_column.setdefault(metric.column, []).append(metric)
+    for column, metrics in by_column.items():
+        data = frame[column].to_numpy(dtype=float) if n else np.array([], dtype=float)
+        data = data[~np.isnan(data)]
+        # every percentile of a column from one sort (the values np.percentile gives one by one)
+        pcts = [m for m in metrics if m.percentile is not None]
+        levels = [m.percentile for m in pcts if m.percentile is not None]
+        found: list[float] = np.percentile(data, levels).tolist() if data.size and pcts else []
+        for m, value in zip(pcts, found, strict=False):
+            values[m.name] = float(value)
+        for m in metrics:
+            if m.percentile is None:
+                values[m.name] = float(data.mean()) if data.size else math.nan
+            values.setdefault(m.name, math.nan)
     return RequestMetrics(n=n, ok=ok, ok_rate=ok / n if n else None, **values)
 
 
@@ -104,13 +113,28 @@ def gpu_stats(util: pd.DataFrame) -> GpuStats:
     return stats
 
 
+def _grouped_metrics(
+    rows: pd.DataFrame, column: str, *, per_repeat: bool = False
+) -> dict[str, RequestMetrics]:
+    """Metrics per value of `column` (pools by `source`, windows by `trace_id`), in order
+    of first appearance. `per_repeat`: keys are `r<repeat>:<value>` when the run has
+    several repeats (a generator's windows are new requests in every repeat)."""
+    if column not in rows.columns or rows.empty:
+        return {}
+    keys = rows[column].astype(str)
+    if per_repeat and rows["repeat"].nunique() > 1:
+        keys = "r" + (rows["repeat"].astype(int) + 1).astype(str) + ":" + keys
+    return {str(k): request_metrics(rows[keys == k]) for k in keys.unique()}
+
+
 def summarize_variants(
     records: pd.DataFrame,
     util: pd.DataFrame,
     variants: Sequence[str],
     class_names: Sequence[str],
 ) -> dict[str, VariantSummary]:
-    """`summary.json`'s `variants` block: metrics overall and per class, routes, cache, GPU.
+    """`summary.json`'s `variants` block: metrics overall, per class, per pool (source) and
+    per window (trace_id), routes, cache, GPU.
 
     `records` must already carry derived timings and the final `class` column."""
     out: dict[str, VariantSummary] = {}
@@ -123,6 +147,8 @@ def summarize_variants(
         out[name] = VariantSummary(
             all=request_metrics(rows),
             classes={c: request_metrics(rows[rows["class"] == c]) for c in ordered},
+            pools=_grouped_metrics(rows, "source"),
+            windows=_grouped_metrics(rows, "trace_id", per_repeat=True),
             routes={str(k): int(v) for k, v in sorted(routes.items())},
             cache=cache_stats(rows),
             gpu=gpu_stats(util_rows),

@@ -20,6 +20,7 @@ __all__ = [
     "SUMMARY",
     "CacheStats",
     "Comparison",
+    "Exclusion",
     "GpuStats",
     "GuardResult",
     "PrimarySpec",
@@ -101,25 +102,35 @@ class GpuStats(_Stored):
 class VariantSummary(_Stored):
     all: RequestMetrics
     classes: dict[str, RequestMetrics] = Field(default_factory=dict)
+    # by the requests' `source` (synthetic, art, …) and by window (trace_id)
+    pools: dict[str, RequestMetrics] = Field(default_factory=dict)
+    windows: dict[str, RequestMetrics] = Field(default_factory=dict)
     routes: dict[str, int] = Field(default_factory=dict)
     cache: CacheStats = Field(default_factory=CacheStats)
     gpu: GpuStats = Field(default_factory=GpuStats)
     repeats: list[int] = Field(default_factory=list)
 
     def value(self, metric: str, scope: str = "all") -> float | None:
-        """One metric of this variant: request metrics overall or for a class, GPU ones
-        over the whole variant. None when undefined (e.g. a class with no requests)."""
+        """One metric of this variant: request metrics overall, for a class or for a pool
+        (`pool:synthetic`), GPU ones over the whole variant. None when undefined (e.g. a
+        class with no requests)."""
         definition = METRICS[metric]
         if definition.level == "gpu":
             value: float | None = getattr(self.gpu, definition.statistic)
             return value
-        block = self.all if scope == "all" else self.classes.get(scope)
+        if scope == "all":
+            block: RequestMetrics | None = self.all
+        elif scope.startswith("pool:"):
+            block = self.pools.get(scope[5:])
+        else:
+            block = self.classes.get(scope)
         return None if block is None else block.value(metric)
 
 
 class GuardResult(_Stored):
     metric: str
     klass: str | None = None
+    pool: str | None = None
     baseline: float | None = None
     value: float | None = None
     worse_by: float | None = None  # absolute for ok_rate, relative otherwise; positive = worse
@@ -127,19 +138,45 @@ class GuardResult(_Stored):
     holds: bool
 
 
+Outcome = Literal["holds", "straddles", "small", "noise", "reversed", "undefined"]
+
+
 class Comparison(_Stored):
-    """One metric, one variant against the baseline."""
+    """One metric, one variant against the baseline. The outcome is read off the interval
+    (signs taken so that positive is the claimed direction, m the minimum effect):
+    `holds` the whole interval is beyond m; `straddles` it holds both effects beyond m and
+    short of it (needs more repeats); `small` it lies between 0 and m; `noise` it holds 0
+    and nothing beyond m; `reversed` it lies entirely against the claim."""
 
     scope: str  # "all" or a class name
+    pool: str | None = None  # restricted to the requests of this source
     baseline: float | None = None
     value: float | None = None
     change: float | None = None  # relative
     ci_low: float | None = None
     ci_high: float | None = None
-    outcome: Literal["holds", "reversed", "noise", "small", "undefined"]
+    level: float | None = None  # confidence level of [ci_low, ci_high] (after adjustment)
+    outcome: Outcome
     ok_baseline: int = 0
     ok_variant: int = 0
     paired: bool = False  # the bootstrap resampled the same request ids for both variants
+    method: str | None = None  # how the draws were made (analysis.bootstrap.DrawMethod)
+    # one-sided bootstrap p of "not beyond the minimum effect", and Holm's adjustment of it
+    p_value: float | None = None
+    p_adjusted: float | None = None
+    adjustment: Literal["none", "holm"] = "none"
+    comparisons: int = 1  # size of the family the adjustment is over
+    # per repeat: the change on that repeat's requests alone, and how many point the
+    # claimed way (agree) or the other way (contradict)
+    repeat_changes: list[float | None] = Field(default_factory=list)
+    repeats_agree: int = 0
+    repeats_contradict: int = 0
+
+    @property
+    def half_width(self) -> float | None:
+        if self.ci_low is None or self.ci_high is None:
+            return None
+        return (self.ci_high - self.ci_low) / 2
 
 
 class VariantVerdict(_Stored):
@@ -160,10 +197,25 @@ class Verdict(_Stored):
 class PrimarySpec(_Stored):
     metric: str
     klass: str | None = Field(None, alias="class")
+    pool: str | None = None
     direction: Literal["decrease", "increase"]
     min_effect: float
+    multiplicity: Literal["holm", "none"] = "none"
+    require_all_repeats: bool = False
 
     model_config = ConfigDict(populate_by_name=True)
+
+
+class Exclusion(_Stored):
+    """Warmup / cooldown left out of metrics and verdicts (`verdict.exclude`)."""
+
+    first_s: float = 0.0
+    last_s: float = 0.0
+    first_requests: int = 0
+    last_requests: int = 0
+    # per variant: requests left out and requests kept, over all repeats
+    excluded: dict[str, int] = Field(default_factory=dict)
+    kept: dict[str, int] = Field(default_factory=dict)
 
 
 class Summary(_Stored):
@@ -179,6 +231,8 @@ class Summary(_Stored):
     primary: PrimarySpec
     verdict: Verdict
     variants: dict[str, VariantSummary] = Field(default_factory=dict)
+    exclusion: Exclusion | None = None
+    repeats: int | None = None  # repeats run (with `repeats: auto`, where it stopped)
 
     def save(self, run_dir: Path) -> None:
         """Write `summary.json` atomically."""

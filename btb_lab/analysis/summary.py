@@ -16,18 +16,21 @@ from pydantic import ValidationError
 
 from btb_lab.analysis.classes import assign_classes
 from btb_lab.analysis.metrics import summarize_variants
-from btb_lab.analysis.models import PrimarySpec, Summary, VariantSummary, Verdict
+from btb_lab.analysis.models import Exclusion, PrimarySpec, Summary, VariantSummary, Verdict
+from btb_lab.analysis.scopes import apply_exclusion
 from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
 from btb_lab.records import derive_timings
-from btb_lab.results import Manifest, read_records, read_utilization
+from btb_lab.results import Manifest, read_events, read_records, read_utilization
 
 __all__ = [
     "AnalyzedRun",
     "analyze_frames",
     "analyze_run",
+    "classified",
     "incomplete_reason",
+    "measured_frames",
     "summarize_fidelity",
 ]
 
@@ -37,10 +40,12 @@ class AnalyzedRun:
     run_dir: Path
     manifest: Manifest
     hypothesis: Hypothesis
-    records: pd.DataFrame  # with derived timings and final classes
-    utilization: pd.DataFrame
+    records: pd.DataFrame  # with derived timings and final classes, warmup / cooldown out
+    utilization: pd.DataFrame  # inside the measured window
     verdict: Verdict
     summary: Summary
+    all_records: pd.DataFrame  # every record (timed, classified): the timeline shows them all
+    events: pd.DataFrame  # events.parquet (EVENT_COLUMNS)
 
 
 def summarize_fidelity(per_variant: dict[str, dict[str, Any]], baseline: str) -> dict[str, Any]:
@@ -70,8 +75,7 @@ def analyze_frames(
     incomplete: bool | str = False,
 ) -> tuple[pd.DataFrame, Verdict, dict[str, VariantSummary]]:
     """Timings, classes, per-variant metrics and the verdict for a set of records."""
-    records = derive_timings(records)
-    records["class"] = assign_classes(records, hypothesis.classes)
+    records, utilization, _ = measured_frames(hypothesis, records, utilization)
     class_names = [rule.name for rule in hypothesis.classes]
     verdict = evaluate_verdict(
         records, utilization, hypothesis.verdict, baseline=hypothesis.baseline,
@@ -79,6 +83,21 @@ def analyze_frames(
     )  # fmt: skip
     variant_block = summarize_variants(records, utilization, variants, class_names)
     return records, verdict, variant_block
+
+
+def classified(hypothesis: Hypothesis, records: pd.DataFrame) -> pd.DataFrame:
+    """Records with derived timings and their final classes."""
+    records = derive_timings(records)
+    records["class"] = assign_classes(records, hypothesis.classes)
+    return records
+
+
+def measured_frames(
+    hypothesis: Hypothesis, records: pd.DataFrame, utilization: pd.DataFrame
+) -> tuple[pd.DataFrame, pd.DataFrame, Exclusion | None]:
+    """The records (timed and classified) and utilization the metrics and the verdict
+    cover: without the warmup / cooldown of `verdict.exclude`."""
+    return apply_exclusion(classified(hypothesis, records), utilization, hypothesis.verdict.exclude)
 
 
 def stored_hypothesis(manifest: Manifest, run_dir: Path) -> Hypothesis:
@@ -109,12 +128,18 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
     manifest = Manifest.load(run_dir)
     hypothesis = stored_hypothesis(manifest, run_dir)
     variants: list[str] = list(manifest.variants or hypothesis.variants)
-    records = read_records(run_dir, variants)
-    util = read_utilization(run_dir, variants)
-    records, verdict, variant_block = analyze_frames(
-        hypothesis, records, util, variants=variants, failed=manifest.failed_variants,
+    all_records = classified(hypothesis, read_records(run_dir, variants))
+    records, util, exclusion = apply_exclusion(
+        all_records, read_utilization(run_dir, variants), hypothesis.verdict.exclude
+    )
+    verdict = evaluate_verdict(
+        records, util, hypothesis.verdict, baseline=hypothesis.baseline, variants=variants,
+        seed=hypothesis.seed, failed=manifest.failed_variants,
         incomplete=False if manifest.complete else incomplete_reason(manifest),
     )  # fmt: skip
+    variant_block = summarize_variants(
+        records, util, variants, [rule.name for rule in hypothesis.classes]
+    )
     rule = hypothesis.verdict
     summary = Summary(
         hypothesis=hypothesis.id,
@@ -127,10 +152,18 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
         primary=PrimarySpec(
             metric=rule.metric,
             klass=rule.klass,
+            pool=rule.pool,
             direction=rule.direction,
             min_effect=rule.min_effect,
+            multiplicity=rule.multiplicity,
+            require_all_repeats=rule.require_all_repeats,
         ),
         verdict=verdict,
         variants=variant_block,
+        exclusion=exclusion,
+        repeats=len({r.repeat for r in manifest.runs}) or None,
     )
-    return AnalyzedRun(run_dir, manifest, hypothesis, records, util, verdict, summary)
+    events = read_events(run_dir, variants)
+    return AnalyzedRun(
+        run_dir, manifest, hypothesis, records, util, verdict, summary, all_records, events
+    )

@@ -2,17 +2,32 @@
 
 Relative change with a bootstrap confidence interval (resampling requests, and repeats
 as well when there are two or more). Every variant of a repeat replays the same requests,
-so the request-level bootstrap is paired: one draw of request ids per resample, the metric
-evaluated on both variants over those same requests; the between-request spread that both
-variants share then cancels from the interval of the difference. Records whose request ids
-do not overlap fall back to resampling each variant on its own (`Comparison.paired` says
-which was used). GPU-utilization metrics resample time samples per variant.
-VALIDATED: the interval lies beyond the minimum effect in the claimed direction and every
-guard holds. REJECTED: the interval includes no change, stays short of the minimum
-effect, or points the other way. PARTIALLY VALIDATED: the claim holds but a guard fails,
-or it holds for some declared classes and reverses for others. INCONCLUSIVE: too few
-successful requests or failed runs.
-The generator is seeded from the hypothesis seed, so a report is reproducible.
+so the request-level bootstrap is paired: the same draw of request ids for both variants,
+the metric evaluated on both over those requests; the between-request spread both share
+then cancels from the interval of the difference. `analysis.bootstrap` makes the draws
+exactly in distribution from row counts (a million requests × 1,000 resamples in seconds);
+only means of very large runs use a labelled normal approximation. Records whose request
+ids do not overlap are resampled per variant (`Comparison.paired`); GPU-utilization
+metrics resample time samples per variant. Either way, with two or more repeats run on
+both sides, each resample draws one set of repeats for both (the same workloads).
+
+Outcomes are read off the interval, signs taken so positive is the claimed direction and
+m is the minimum effect: beyond m (`holds`) → VALIDATED when every guard holds (PARTIALLY
+VALIDATED when one fails, or when declared classes split); entirely short of m (`small`,
+or `noise` when it holds 0) or entirely against the claim (`reversed`) → REJECTED; holding
+effects both beyond m and short of it (`straddles`) → INCONCLUSIVE, needs more repeats.
+Too few successful requests or failed runs are INCONCLUSIVE too.
+
+Several variants against one baseline are several looks: with `multiplicity: holm` the
+primary intervals follow Holm's step-down procedure on the one-sided bootstrap p-values of
+"not beyond m" — the comparison with the smallest p is judged at level 1 − α/k, the next
+at 1 − α/(k − 1), …, and once one fails the rest are judged at its level — so the family
+of VALIDATED claims keeps the stated error rate. Per repeat, the change on that repeat's
+requests alone says whether the repeats agree in direction; `require_all_repeats` turns
+one that points against the claim into not confirmed. The hypothesis's verdict is the
+strongest of its variants' (VALIDATED > PARTIALLY VALIDATED > INCONCLUSIVE > REJECTED: it
+is rejected only when every variant is). The generator is seeded from the hypothesis
+seed, so a report is reproducible.
 """
 
 from __future__ import annotations
@@ -20,12 +35,28 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from btb_lab.analysis.bootstrap import (
+    Draws,
+    gpu_draws,
+    paired_draws,
+    unpaired_draws,
+    value_draws,
+)
 from btb_lab.analysis.metrics import gpu_stats_from_means, latency_stat
-from btb_lab.analysis.models import Comparison, GuardResult, VariantVerdict, Verdict, VerdictWord
+from btb_lab.analysis.models import (
+    Comparison,
+    GuardResult,
+    Outcome,
+    VariantVerdict,
+    Verdict,
+    VerdictWord,
+)
+from btb_lab.analysis.scopes import in_pool
 from btb_lab.config.hypothesis import Guard, VerdictRule
 from btb_lab.config.metrics import METRICS, MetricDef
 
@@ -36,16 +67,18 @@ __all__ = [
     "Verdict",
     "bootstrap_change",
     "evaluate_verdict",
+    "holm_levels",
     "metric_units",
     "paired_units",
     "point_value",
+    "value_interval",
 ]
 
 VALIDATED: VerdictWord = "VALIDATED"
 PARTIAL: VerdictWord = "PARTIALLY VALIDATED"
 REJECTED: VerdictWord = "REJECTED"
 INCONCLUSIVE: VerdictWord = "INCONCLUSIVE"
-_RANK = {VALIDATED: 3, PARTIAL: 2, REJECTED: 1, INCONCLUSIVE: 0}
+_RANK = {VALIDATED: 3, PARTIAL: 2, INCONCLUSIVE: 1, REJECTED: 0}
 
 Stat = Callable[[np.ndarray], float]
 
@@ -108,30 +141,48 @@ def metric_units(
     """The resampling units of one metric for one variant, one 2-D array per repeat:
     successful requests' latencies, every request's ok flag, (cached, input) token pairs,
     or for GPU metrics the utilization time samples (time × instance)."""
+    return list(_units_by_repeat(records, util, variant, metric, klass).values())
+
+
+def _units_by_repeat(
+    records: pd.DataFrame, util: pd.DataFrame, variant: str, metric: str, klass: str | None
+) -> dict[int, np.ndarray]:
+    """`metric_units` keyed by repeat."""
     definition = METRICS[metric]
+    units: dict[int, np.ndarray] = {}
     if definition.kind == "gpu":
         rows = util[util["variant"] == variant] if not util.empty else util
-        units = []
-        for _, rep in rows.groupby("repeat", sort=True):
-            unit = rep["instance"].astype(str) + "/" + rep["device"].astype(str)
-            matrix = rep.assign(unit=unit).pivot_table(
-                index="time_s", columns="unit", values="utilization", aggfunc="mean"
-            )
-            units.append(matrix.to_numpy(dtype=float))
+        if rows.empty:
+            return units
+        # every repeat's matrix has the same columns (the variant's units, sorted), so the
+        # repeats of one variant line up; the mean where a (time, unit) repeats
+        names = rows["instance"].astype(str) + "/" + rows["device"].astype(str)
+        unit_names, col = np.unique(names.to_numpy(), return_inverse=True)
+        repeat_ids = rows["repeat"].to_numpy()
+        times = rows["time_s"].to_numpy(dtype=float)
+        values = rows["utilization"].to_numpy(dtype=float)
+        for repeat in np.unique(repeat_ids):
+            mine = repeat_ids == repeat
+            t_values, t_index = np.unique(times[mine], return_inverse=True)
+            sums = np.zeros((t_values.size, unit_names.size))
+            counts = np.zeros_like(sums)
+            np.add.at(sums, (t_index, col[mine]), values[mine])
+            np.add.at(counts, (t_index, col[mine]), 1.0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                units[int(repeat)] = np.where(counts > 0, sums / counts, np.nan)
         return units
     rows = records[records["variant"] == variant]
     if klass is not None:
         rows = rows[rows["class"] == klass]
-    units = []
     columns = _unit_columns(definition)
-    for _, rep in rows.groupby("repeat", sort=True):
+    for repeat, rep in rows.groupby("repeat", sort=True):
         if definition.kind == "latency":
             good = rep[rep["ok"].astype(bool)]
             arr = good[columns].to_numpy(dtype=float)
             arr = arr[~np.isnan(arr[:, 0])]
         else:
             arr = rep[columns].to_numpy(dtype=float)
-        units.append(arr)
+        units[int(str(repeat))] = arr
     return units
 
 
@@ -140,17 +191,6 @@ def point_value(units: Sequence[np.ndarray], metric: str) -> float:
     if not units:
         return math.nan
     return _stat_for(metric)(np.concatenate(units))
-
-
-def _resample(units: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
-    if len(units) >= 2:
-        chosen = [units[i] for i in rng.integers(0, len(units), len(units))]
-    else:
-        chosen = list(units)
-    parts = [u[rng.integers(0, len(u), len(u))] for u in chosen if len(u)]
-    if not parts:
-        return np.empty((0, units[0].shape[1] if units else 1))
-    return np.concatenate(parts)
 
 
 def paired_units(
@@ -174,17 +214,24 @@ def paired_units(
 
     None when the metric is a GPU one, request ids are absent or repeat within a run, or
     the two variants share no request id: the caller resamples each variant on its own."""
+    aligned = _paired(records, baseline, variant, metric, klass)
+    return None if aligned is None else (aligned[1], aligned[2])
+
+
+def _paired(
+    records: pd.DataFrame, baseline: str, variant: str, metric: str, klass: str | None
+) -> tuple[list[int], list[np.ndarray], list[np.ndarray]] | None:
+    """`paired_units` with the repeat of each unit."""
     definition = METRICS[metric]
     if definition.level == "gpu" or "request_id" not in records.columns:
         return None
-    keys = ["repeat", "request_id"]
     columns = _unit_columns(definition)
 
     def table(name: str) -> pd.DataFrame:
         rows = records[records["variant"] == name]
         out = pd.DataFrame({
             "repeat": rows["repeat"].astype(int).to_numpy(),
-            "request_id": rows["request_id"].astype(str).to_numpy(),
+            "request_id": rows["request_id"].astype(str).reset_index(drop=True),
             "klass": rows["class"].to_numpy() if "class" in rows.columns else None,
         })  # fmt: skip
         if definition.kind == "ok_rate":
@@ -199,94 +246,83 @@ def paired_units(
         return out
 
     base, var = table(baseline), table(variant)
-    if base.empty or var.empty or base.duplicated(keys).any() or var.duplicated(keys).any():
+    if base.empty or var.empty:
         return None
-    base_idx = pd.MultiIndex.from_frame(base[keys])
-    var_idx = pd.MultiIndex.from_frame(var[keys])
+    # one integer key per (repeat, request id), ordered as the pair sorts (ids as text),
+    # so the units' row order never depends on the order records were stored in
+    codes, names = pd.factorize(
+        pd.concat([base["request_id"], var["request_id"]], ignore_index=True), sort=True
+    )
+    codes = np.asarray(codes, dtype=np.int64)
+    width = max(len(names), 1)
+    base_key = base["repeat"].to_numpy(dtype=np.int64) * width + codes[: len(base)]
+    var_key = var["repeat"].to_numpy(dtype=np.int64) * width + codes[len(base) :]
+    if np.unique(base_key).size < base_key.size or np.unique(var_key).size < var_key.size:
+        return None
     if klass is not None:
-        universe = pd.MultiIndex.from_frame(base.loc[base["klass"] == klass, keys])
+        universe = np.unique(base_key[base["klass"].to_numpy() == klass])
+        # the baseline's requests of the class must turn up in the variant
+        shared = np.isin(universe, var_key)
     else:
-        universe = base_idx.union(var_idx)
-    # `universe` holds the variant's own ids unless restricted to a class; sharing means
-    # the baseline's requests (of the class) turn up in the variant
-    shared = (base_idx if klass is None else universe).isin(var_idx)
-    if universe.empty or not shared.any():
+        universe = np.union1d(base_key, var_key)
+        shared = np.isin(base_key, var_key)
+    if universe.size == 0 or not shared.any():
         return None
-    universe = universe.sort_values()
-    b = base.set_index(keys)[columns].reindex(universe).to_numpy(dtype=float)
-    v = var.set_index(keys)[columns].reindex(universe).to_numpy(dtype=float)
-    repeats = universe.get_level_values("repeat").to_numpy()
+
+    def aligned(frame: pd.DataFrame, key: np.ndarray) -> np.ndarray:
+        out = np.full((universe.size, len(columns)), np.nan)
+        pos = np.searchsorted(universe, key)
+        inside = (pos < universe.size) & (universe[np.minimum(pos, universe.size - 1)] == key)
+        out[pos[inside]] = frame[columns].to_numpy(dtype=float)[inside]
+        return out
+
+    b, v = aligned(base, base_key), aligned(var, var_key)
+    repeats = universe // width
     cuts = np.flatnonzero(np.diff(repeats)) + 1
-    return list(np.split(b, cuts)), list(np.split(v, cuts))
+    ids = [int(r) for r in repeats[np.r_[0, cuts]]]
+    return ids, list(np.split(b, cuts)), list(np.split(v, cuts))
 
 
-def _paired_indices(sizes: Sequence[int], rng: np.random.Generator) -> np.ndarray:
-    """Row indices into the concatenated units of one paired resample: repeats drawn
-    with replacement when there are two or more, then requests within each drawn one."""
-    offsets = np.concatenate(([0], np.cumsum(sizes)))
-    picks = rng.integers(0, len(sizes), len(sizes)) if len(sizes) >= 2 else range(len(sizes))
-    parts = [offsets[i] + rng.integers(0, sizes[i], sizes[i]) for i in picks if sizes[i]]
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-
-
-class _RankPercentile:
-    """A latency percentile over row-index resamples of one column, without sorting or
-    partitioning each resample: the column is ranked once, a resample's order statistics
-    come from a bincount of its rows' ranks. Same value as `latency_stat` (numpy's linear
-    method, same interpolation arithmetic), at a fraction of the cost per resample."""
-
-    def __init__(self, column: np.ndarray, percent: float) -> None:
-        valid = ~np.isnan(column)
-        order = np.argsort(column[valid], kind="stable")
-        self.sorted = column[valid][order]
-        ranks = np.empty(order.size, dtype=np.int64)
-        ranks[order] = np.arange(order.size)
-        self.ranks = np.full(column.size, -1, dtype=np.int64)
-        self.ranks[valid] = ranks
-        self.quantile = percent / 100
-
-    def __call__(self, rows: np.ndarray) -> float:
-        drawn = self.ranks[rows]
-        drawn = drawn[drawn >= 0]
-        if drawn.size == 0:
-            return math.nan
-        below = np.cumsum(np.bincount(drawn, minlength=self.sorted.size))
-        index = (drawn.size - 1) * self.quantile
-        low = math.floor(index)
-        high = min(low + 1, drawn.size - 1)
-        a, b = self.sorted[np.searchsorted(below, [low, high], side="right")]
-        t = index - low
-        diff = b - a
-        return float(b - diff * (1 - t) if t >= 0.5 else a + diff * t)
-
-
-def _row_stat(metric: str, units: np.ndarray) -> Callable[[np.ndarray], float]:
-    """The metric over the rows `rows` of row-aligned units."""
-    definition = METRICS[metric]
-    if definition.percentile is not None:
-        return _RankPercentile(units[:, 0], definition.percentile)
-    if definition.kind == "ok_rate" or (
-        definition.kind == "latency" and definition.statistic == "mean"
-    ):
-        # a mean over the rows that count: successful requests, or for OK rate those sent
-        return _ratio_stat(np.nan_to_num(units[:, 0]), ~np.isnan(units[:, 0]))
-    full = _stat_for(metric)
-    return lambda rows: full(units[rows])
-
-
-def _ratio_stat(numerator: np.ndarray, counted: np.ndarray) -> Callable[[np.ndarray], float]:
-    """sum(numerator) / count(counted) over the rows drawn: a mean over 1-D gathers."""
-
-    def ratio(rows: np.ndarray) -> float:
-        count = np.count_nonzero(counted[rows])
-        return float(numerator[rows].sum() / count) if count else math.nan
-
-    return ratio
+# ---------------------------------------------------------------------------- bootstrap
 
 
 def _seed(*parts: object) -> int:
     digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def _draws(
+    base_units: Sequence[np.ndarray],
+    var_units: Sequence[np.ndarray],
+    metric: str,
+    *,
+    samples: int,
+    seed: int,
+    paired: bool,
+    pair_repeats: bool = False,
+) -> Draws:
+    definition = METRICS[metric]
+    rng = np.random.default_rng(seed)
+    if paired:
+        return paired_draws(base_units, var_units, definition.kind, definition.percentile,
+                            samples=samples, rng=rng)  # fmt: skip
+    if definition.kind == "gpu":
+        draws = gpu_draws(base_units, var_units, definition.statistic, samples=samples,
+                          rng=rng, pair_repeats=pair_repeats)  # fmt: skip
+        if draws is not None:
+            return draws
+    return unpaired_draws(_stat_for(metric), base_units, var_units, samples=samples, rng=rng,
+                          pair_repeats=pair_repeats)  # fmt: skip
+
+
+def _interval(draws: Draws, level: float) -> tuple[float, float]:
+    """The percentile interval at `level`; NaN when a tenth of the resamples or more had
+    no defined change (a zero or undefined baseline)."""
+    if draws.values.size < draws.samples * 0.9:
+        return math.nan, math.nan
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(draws.values, [tail, 100 - tail])
+    return float(low), float(high)
 
 
 def bootstrap_change(
@@ -302,32 +338,43 @@ def bootstrap_change(
     """Relative change (variant − baseline) / baseline and its percentile bootstrap
     interval. NaN where the baseline value is zero or undefined. `paired`: the units are
     row-aligned (`paired_units`), and each resample uses the same rows for both."""
-    stat = _stat_for(metric)
     base = point_value(base_units, metric)
     value = point_value(var_units, metric)
     change = (value - base) / base if base and math.isfinite(base) else math.nan
-    rng = np.random.default_rng(seed)
-    draws = np.empty(samples)
-    if paired:
-        sizes = [len(u) for u in base_units]
-        if sizes != [len(u) for u in var_units]:
-            raise ValueError("paired bootstrap needs row-aligned units")
-        base_stat = _row_stat(metric, np.concatenate(base_units))
-        var_stat = _row_stat(metric, np.concatenate(var_units))
-    for i in range(samples):
-        if paired:
-            rows = _paired_indices(sizes, rng)
-            b, v = base_stat(rows), var_stat(rows)
-        else:
-            b = stat(_resample(base_units, rng))
-            v = stat(_resample(var_units, rng))
-        draws[i] = (v - b) / b if b and math.isfinite(b) else math.nan
-    draws = draws[np.isfinite(draws)]
+    draws = _draws(base_units, var_units, metric, samples=samples, seed=seed, paired=paired)
+    low, high = _interval(draws, confidence)
+    return change, low, high
+
+
+def value_interval(
+    records: pd.DataFrame,
+    util: pd.DataFrame,
+    variant: str,
+    metric: str,
+    scope: str = "all",
+    *,
+    samples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """A percentile bootstrap interval of one variant's metric value (repeats and requests
+    resampled), for `scope` `all`, a class, or `pool:<source>`."""
+    klass: str | None = None
+    if scope.startswith("pool:"):
+        records = in_pool(records, scope[5:])
+    elif scope != "all":
+        klass = scope
+    definition = METRICS[metric]
+    units = metric_units(records, util, variant, metric, klass)
+    draws = value_draws(
+        units, definition.kind, definition.percentile, definition.statistic, samples=samples,
+        rng=np.random.default_rng(_seed(seed, variant, metric, scope, "value")),
+    )  # fmt: skip
     if draws.size < samples * 0.9:
-        return change, math.nan, math.nan
+        return math.nan, math.nan
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(draws, [tail, 100 - tail])
-    return change, float(low), float(high)
+    return float(low), float(high)
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -341,25 +388,94 @@ def _num(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.4g}"
 
 
-def _fmt_change(metric: str, cmp: Comparison) -> str:
+def _scope_label(metric: str, klass: str | None, pool: str | None) -> str:
     label = METRICS[metric].label
-    if cmp.scope != "all":
-        label = f"{cmp.scope} {label}"
+    if klass is not None:
+        label = f"{klass} {label}"
+    if pool is not None:
+        label = f"{label} ({pool} pool)"
+    return label
+
+
+def _fmt_change(metric: str, cmp: Comparison) -> str:
+    label = _scope_label(metric, None if cmp.scope == "all" else cmp.scope, cmp.pool)
     return f"{label} {_pct(cmp.change)} [{_pct(cmp.ci_low)}, {_pct(cmp.ci_high)}]"
 
 
-def _outcome(rule: VerdictRule, metric: str, low: float, high: float) -> str:
+def _sign(rule: VerdictRule) -> float:
+    return -1.0 if rule.direction == "decrease" else 1.0
+
+
+def _outcome(rule: VerdictRule, low: float, high: float) -> Outcome:
+    """Where the interval lies against the minimum effect (see the module docstring)."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return "undefined"
-    sign = -1.0 if rule.direction == "decrease" else 1.0
-    lo, hi = sorted((sign * low, sign * high))
-    if lo > rule.min_effect:
+    lo, hi = sorted((_sign(rule) * low, _sign(rule) * high))
+    m = rule.min_effect
+    if lo > m:
         return "holds"
     if hi < 0:
         return "reversed"
-    if lo <= 0:
-        return "noise"
-    return "small"
+    if hi <= m:
+        return "small" if lo > 0 else "noise"
+    return "straddles"
+
+
+def _p_not_beyond(rule: VerdictRule, draws: Draws) -> float | None:
+    """One-sided bootstrap p-value of "the effect is not beyond the minimum effect"."""
+    if draws.values.size < draws.samples * 0.9:
+        return None
+    signed = _sign(rule) * draws.values
+    return float((np.count_nonzero(signed <= rule.min_effect) + 1) / (signed.size + 1))
+
+
+def holm_levels(p_values: Sequence[float], confidence: float) -> list[tuple[float, float]]:
+    """Holm's step-down procedure on one-sided p-values, as interval levels: for each
+    comparison (in input order) the confidence level its interval is judged at, and its
+    Holm-adjusted p-value. The i-th smallest p gets level 1 − (1 − confidence) / (k − i + 1)
+    until one fails its level (p ≥ α/2 there, α = 1 − confidence); every later one is
+    judged at that failing level."""
+    k = len(p_values)
+    alpha = 1 - confidence
+    order = sorted(range(k), key=lambda i: (p_values[i], i))
+    out: list[tuple[float, float]] = [(confidence, 1.0)] * k
+    stopped: float | None = None
+    running = 0.0
+    for step, i in enumerate(order):
+        factor = k - step
+        running = max(running, min(1.0, factor * p_values[i]))
+        level = 1 - alpha / factor
+        if stopped is None and p_values[i] >= alpha / factor / 2:
+            stopped = level
+        out[i] = (stopped if stopped is not None else level, running)
+    return out
+
+
+@dataclass
+class _Judged:
+    """A comparison and the draws behind it (kept until the family is adjusted)."""
+
+    comparison: Comparison
+    draws: Draws
+
+
+def _repeat_agreement(
+    rule: VerdictRule, metric: str, per_repeat: list[tuple[np.ndarray, np.ndarray]]
+) -> tuple[list[float | None], int, int]:
+    changes: list[float | None] = []
+    agree = contradict = 0
+    for b_units, v_units in per_repeat:
+        base = point_value([b_units], metric)
+        value = point_value([v_units], metric)
+        change = (value - base) / base if base and math.isfinite(base) else math.nan
+        if not math.isfinite(change):
+            changes.append(None)
+            continue
+        changes.append(change)
+        signed = _sign(rule) * change
+        agree += signed > 0
+        contradict += signed < 0
+    return changes, agree, contradict
 
 
 def _compare(
@@ -371,20 +487,35 @@ def _compare(
     metric: str,
     klass: str | None,
     seed: int,
-) -> Comparison:
-    aligned = paired_units(records, baseline, variant, metric, klass)
+) -> _Judged:
+    pool = rule.pool
+    records = in_pool(records, pool)
+    aligned = _paired(records, baseline, variant, metric, klass)
     if aligned is not None:
-        base_units, var_units = aligned
+        _, base_units, var_units = aligned
+        per_repeat = list(zip(base_units, var_units, strict=True))
     else:
-        base_units = metric_units(records, util, baseline, metric, klass)
-        var_units = metric_units(records, util, variant, metric, klass)
-    change, low, high = bootstrap_change(
-        base_units, var_units, metric, samples=rule.bootstrap_samples,
-        confidence=rule.confidence, seed=_seed(seed, variant, metric, klass or ""),
-        paired=aligned is not None,
-    )  # fmt: skip
+        base_by = _units_by_repeat(records, util, baseline, metric, klass)
+        var_by = _units_by_repeat(records, util, variant, metric, klass)
+        shared = sorted(set(base_by) & set(var_by))
+        per_repeat = [(base_by[r], var_by[r]) for r in shared]
+        if len(shared) == len(base_by) == len(var_by):
+            # the same repeats (workloads) on both sides, in one order: paired on repeats
+            base_units, var_units = [base_by[r] for r in shared], [var_by[r] for r in shared]
+        else:
+            base_units, var_units = list(base_by.values()), list(var_by.values())
+    seed_parts: tuple[object, ...] = (seed, variant, metric, klass or "")
+    if pool is not None:
+        seed_parts += (f"pool:{pool}",)
+    draws = _draws(base_units, var_units, metric, samples=rule.bootstrap_samples,
+                   seed=_seed(*seed_parts), paired=aligned is not None,
+                   pair_repeats=aligned is None and len(per_repeat) == len(base_units))  # fmt: skip
     base = point_value(base_units, metric)
     value = point_value(var_units, metric)
+    change = (value - base) / base if base and math.isfinite(base) else math.nan
+    low, high = _interval(draws, rule.confidence)
+    changes, agree, contradict = _repeat_agreement(rule, metric, per_repeat)
+    p_value = _p_not_beyond(rule, draws)
 
     def ok_count(v: str) -> int:
         rows = records[records["variant"] == v]
@@ -400,23 +531,51 @@ def _compare(
             rows = rows[rows["class"] == klass]
         return int(rows["ok"].astype(bool).sum())
 
-    return Comparison(
+    comparison = Comparison(
         scope=klass or "all",
+        pool=pool,
         baseline=_finite(base),
         value=_finite(value),
         change=_finite(change),
         ci_low=_finite(low),
         ci_high=_finite(high),
-        outcome=_outcome(rule, metric, low, high),
+        level=rule.confidence,
+        outcome=_outcome(rule, low, high),
         ok_baseline=ok_count(baseline),
         ok_variant=ok_count(variant),
         paired=aligned is not None,
+        method=draws.method,
+        p_value=p_value,
+        p_adjusted=p_value,
+        repeat_changes=changes,
+        repeats_agree=agree,
+        repeats_contradict=contradict,
     )
+    return _Judged(comparison, draws)
+
+
+def _adjust(judged: dict[str, _Judged], rule: VerdictRule) -> None:
+    """Holm's adjustment of the primary comparisons of every variant (in place)."""
+    family = {v: j for v, j in judged.items() if j.comparison.p_value is not None}
+    if rule.multiplicity != "holm" or len(family) < 2:
+        return
+    names = list(family)
+    levels = holm_levels([family[v].comparison.p_value or 1.0 for v in names], rule.confidence)
+    for name, (level, p_adjusted) in zip(names, levels, strict=True):
+        cmp = family[name].comparison
+        low, high = _interval(family[name].draws, level)
+        cmp.ci_low, cmp.ci_high = _finite(low), _finite(high)
+        cmp.level = level
+        cmp.outcome = _outcome(rule, low, high)
+        cmp.p_adjusted = p_adjusted
+        cmp.adjustment = "holm"
+        cmp.comparisons = len(family)
 
 
 def _guard(
     records: pd.DataFrame, util: pd.DataFrame, guard: Guard, baseline: str, variant: str
 ) -> GuardResult:
+    records = in_pool(records, guard.pool)
     base = point_value(
         metric_units(records, util, baseline, guard.metric, guard.klass), guard.metric
     )
@@ -435,13 +594,15 @@ def _guard(
         worse = -rel if METRICS[guard.metric].higher_is_better else rel
     holds = worse is not None and worse <= guard.max_worse + 1e-12
     return GuardResult(
-        metric=guard.metric, klass=guard.klass, baseline=_finite(base), value=_finite(value),
-        worse_by=worse, max_worse=guard.max_worse, holds=holds,
+        metric=guard.metric, klass=guard.klass, pool=guard.pool, baseline=_finite(base),
+        value=_finite(value), worse_by=worse, max_worse=guard.max_worse, holds=holds,
     )  # fmt: skip
 
 
 def _guard_text(g: GuardResult) -> str:
     label = METRICS[g.metric].label + (f" ({g.klass})" if g.klass else "")
+    if g.pool:
+        label += f" ({g.pool} pool)"
     if g.worse_by is None:
         return f"{label} undefined"
     if METRICS[g.metric].kind == "ok_rate":
@@ -449,25 +610,35 @@ def _guard_text(g: GuardResult) -> str:
     return f"{label} worse by {g.worse_by * 100:.1f}% (limit {g.max_worse * 100:.1f}%)"
 
 
-def _variant_verdict(
+def _tag(variant: str, baseline: str, cmp: Comparison) -> str:
+    """`(btb vs cache_aware; Holm over 3 comparisons, 98.3% interval; 4 of 5 repeats agree)`."""
+    parts = [f"{variant} vs {baseline}"]
+    if cmp.adjustment == "holm" and cmp.level is not None:
+        parts.append(f"Holm-adjusted over {cmp.comparisons} comparisons, "
+                     f"{cmp.level * 100:.4g}% interval")  # fmt: skip
+    total = sum(c is not None for c in cmp.repeat_changes)
+    if total >= 2:
+        text = f"{cmp.repeats_agree} of {total} repeats agree in direction"
+        unchanged = total - cmp.repeats_agree - cmp.repeats_contradict
+        if unchanged:
+            text += f", {unchanged} unchanged"
+        parts.append(text)
+    return "(" + "; ".join(parts) + ")"
+
+
+def _decide(
     records: pd.DataFrame,
     util: pd.DataFrame,
     rule: VerdictRule,
     baseline: str,
     variant: str,
     seed: int,
-    failed: set[str],
+    primary: Comparison,
 ) -> VariantVerdict:
-    tag = f"({variant} vs {baseline})"
-    broken = sorted({baseline, variant} & failed)
-    if broken:
-        return VariantVerdict(
-            variant=variant,
-            word=INCONCLUSIVE,
-            reason=f"{', '.join(broken)}: failed or missing runs",
-        )
-    primary = _compare(records, util, rule, baseline, variant, rule.metric, rule.klass, seed)
+    tag = _tag(variant, baseline, primary)
     scope = f" {rule.klass}" if rule.klass else ""
+    if rule.pool:
+        scope += f" {rule.pool}-pool"
     if min(primary.ok_baseline, primary.ok_variant) < rule.min_ok_requests:
         return VariantVerdict(
             variant=variant, word=INCONCLUSIVE, primary=primary,
@@ -477,7 +648,7 @@ def _variant_verdict(
     text = f"{_fmt_change(rule.metric, primary)} {tag}"
     effect = f"{rule.min_effect * 100:g}%"
     if primary.outcome == "undefined":
-        label = METRICS[rule.metric].label + (f" ({rule.klass})" if rule.klass else "")
+        label = _scope_label(rule.metric, rule.klass, rule.pool)
         values = f"{_num(primary.baseline)} for {baseline}, {_num(primary.value)} for {variant}"
         why = (
             "an instance with zero mean utilization makes max/min infinite"
@@ -490,7 +661,7 @@ def _variant_verdict(
         )  # fmt: skip
     guards = [_guard(records, util, g, baseline, variant) for g in rule.guards]
     per_class = [
-        _compare(records, util, rule, baseline, variant, rule.metric, c, seed)
+        _compare(records, util, rule, baseline, variant, rule.metric, c, seed).comparison
         for c in rule.per_class
     ]
     held = [c.scope for c in per_class if c.outcome == "holds"]
@@ -501,21 +672,32 @@ def _variant_verdict(
         per_class=per_class,
     )  # fmt: skip
     if primary.outcome == "holds":
-        if failed_guards:
-            verdict.word = PARTIAL
+        beyond = f"{text}, beyond the {effect} minimum effect"
+        if rule.require_all_repeats and primary.repeats_contradict:
+            against = [
+                f"r{i + 1} {_pct(c)}"
+                for i, c in enumerate(primary.repeat_changes)
+                if c is not None and _sign(rule) * c < 0
+            ]
+            verdict.word = INCONCLUSIVE
+            many = primary.repeats_contradict > 1
             verdict.reason = (
-                f"{text}, beyond the {effect} minimum effect, but guard failed: "
-                + "; ".join(_guard_text(g) for g in failed_guards)
+                f"{beyond}, but not confirmed: {primary.repeats_contradict} "
+                f"{'repeats point' if many else 'repeat points'} against the claimed "
+                f"{rule.direction} ({', '.join(against)}) and every repeat must agree"
+            )
+        elif failed_guards:
+            verdict.word = PARTIAL
+            verdict.reason = f"{beyond}, but guard failed: " + "; ".join(
+                _guard_text(g) for g in failed_guards
             )
         elif reversed_:
             verdict.word = PARTIAL
             rev = "; ".join(_fmt_change(rule.metric, c) for c in per_class if c.scope in reversed_)
-            verdict.reason = f"{text}, beyond the {effect} minimum effect, but reverses for {rev}"
+            verdict.reason = f"{beyond}, but reverses for {rev}"
         else:
             verdict.word = VALIDATED
-            verdict.reason = f"{text}, beyond the {effect} minimum effect" + (
-                "; guards hold" if guards else ""
-            )
+            verdict.reason = beyond + ("; guards hold" if guards else "")
         return verdict
     if held and reversed_:
         verdict.word = PARTIAL
@@ -526,10 +708,19 @@ def _variant_verdict(
             f"{text}; holds for {', '.join(held)} but reverses for {', '.join(reversed_)}: {parts}"
         )
         return verdict
+    if primary.outcome == "straddles":
+        verdict.word = INCONCLUSIVE
+        verdict.reason = (
+            f"{text}, straddles the {effect} minimum effect: the interval holds effects "
+            "beyond it and short of it, so neither the claim nor its rejection is shown "
+            "(needs more repeats)"
+        )
+        return verdict
     verdict.reason = {
         "reversed": f"{text}, the opposite of the claimed {rule.direction}",
-        "noise": f"{text}, within noise",
-        "small": f"{text}, smaller than the {effect} minimum effect",
+        "noise": f"{text}, within noise: no effect of the {effect} minimum size",
+        "small": f"{text}, smaller than the {effect} minimum effect (the whole interval "
+        "is short of it)",
     }[primary.outcome]
     return verdict
 
@@ -545,18 +736,30 @@ def evaluate_verdict(
     failed: Sequence[str] = (),
     incomplete: bool | str = False,
 ) -> Verdict:
-    """Compare every non-baseline variant with the baseline; the strongest result among
-    them is the hypothesis's verdict (INCONCLUSIVE when the run is incomplete; a string
-    `incomplete` says why, e.g. "run failed: …")."""
+    """Compare every non-baseline variant with the baseline (the family adjusted for
+    multiplicity); the strongest result among them is the hypothesis's verdict
+    (INCONCLUSIVE when the run is incomplete; a string `incomplete` says why, e.g.
+    "run failed: …")."""
     others = [v for v in variants if v != baseline]
     failed_set = set(failed)
-    results = {
-        v: _variant_verdict(records, util, rule, baseline, v, seed, failed_set) for v in others
-    }
     if not others:
         return Verdict(
             word=INCONCLUSIVE, reason=f"no variant to compare with the baseline {baseline!r}"
         )
+    results: dict[str, VariantVerdict] = {}
+    judged: dict[str, _Judged] = {}
+    for v in others:
+        broken = sorted({baseline, v} & failed_set)
+        if broken:
+            results[v] = VariantVerdict(
+                variant=v, word=INCONCLUSIVE, reason=f"{', '.join(broken)}: failed or missing runs"
+            )
+            continue
+        judged[v] = _compare(records, util, rule, baseline, v, rule.metric, rule.klass, seed)
+    _adjust(judged, rule)
+    for v, j in judged.items():
+        results[v] = _decide(records, util, rule, baseline, v, seed, j.comparison)
+    results = {v: results[v] for v in others}
     if incomplete:
         done = sorted(set(records["variant"].unique()) if len(records) else set())
         return Verdict(

@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from btb_lab.cli import cluster, core, sim, sweep, trace
+from btb_lab.cli import calibrate, cluster, core, sim, sweep, trace
 from btb_lab.errors import UserError
 
 __all__ = ["app", "main"]
@@ -30,6 +30,7 @@ app.add_typer(sim.app, name="sim")
 app.add_typer(cluster.router_app, name="router")
 app.add_typer(cluster.model_app, name="model")
 sweep.register(app)
+calibrate.register(app)
 
 
 def main() -> None:

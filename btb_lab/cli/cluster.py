@@ -66,7 +66,9 @@ def serve(
             connect_timeout_s=launch.connect_timeout_s,
             max_connections=launch.max_connections,
         )
-        router = make_router(endpoints, policy, build_cost_model(hyp), client=client, model=model)
+        router = make_router(
+            endpoints, policy, build_cost_model(hyp, loaded.base_dir), client=client, model=model
+        )
         app = build_proxy_app(router, block_tokens=hyp.workload.block_tokens)
         for ep in endpoints:
             typer.echo(f"{ep.name} ({ep.role}) {ep.base_url}")

@@ -126,7 +126,18 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def run(
         file: Path = typer.Argument(..., help="Hypothesis YAML file."),
-        backend: str | None = typer.Option(None, "--backend", help="sim or cluster."),
+        backend: str | None = typer.Option(
+            None,
+            "--backend",
+            help="sim or cluster; several, comma-separated (sim,cluster), run the hypothesis "
+            "on each and compare the runs in one directory.",
+        ),
+        calibrate: bool = typer.Option(
+            False,
+            "--calibrate",
+            help="With --backend sim,cluster: first fit an engine profile to the cluster's "
+            "first instance and run the simulator on it.",
+        ),
         out: Path | None = typer.Option(
             None, "--out", help="Results directory (default results/<id>/<UTC time>-<short id>/)."
         ),
@@ -148,12 +159,30 @@ def register(app: typer.Typer) -> None:
         from btb_lab.runner import RunInterrupted, RunOptions, run_hypothesis
 
         overrides, origins = _parse_set(set_)
+        backends = [b.strip() for b in (backend or "").split(",") if b.strip()]
         options = RunOptions(
-            backend=backend, out=out, repeats=repeats, requests=requests,
+            backend=backends[0] if len(backends) == 1 else None, out=out, repeats=repeats,
+            requests=requests,
             time_scale=time_scale, seed=seed, dry_run=dry_run,
             variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
             progress=not no_progress, overrides=overrides, origins=origins,
         )  # fmt: skip
+        if len(backends) > 1:
+            from btb_lab.crosscheck import run_crosscheck
+
+            try:
+                both = run_crosscheck(file, options, backends, calibrate=calibrate)
+            except RunInterrupted as exc:
+                typer.echo(f"interrupted: finished records kept in {exc.run_dir}", err=True)
+                raise typer.Exit(exit_code(exc)) from None
+            for name, outcome in both.runs.items():
+                assert outcome.summary is not None
+                typer.echo(f"[{name}]")
+                _print_summary(outcome.summary)
+            typer.echo(f"comparison: {both.root / 'compare' / 'compare.md'}")
+            return
+        if calibrate:
+            raise UserError("--calibrate needs --backend sim,cluster")
         try:
             outcome = run_hypothesis(file, options)
         except RunInterrupted as exc:
@@ -178,6 +207,7 @@ def register(app: typer.Typer) -> None:
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
     ) -> None:
         """Re-render summary.json, report.md and plots from stored results (no backend)."""
+        from btb_lab.crosscheck import load_crosscheck
         from btb_lab.report.render import build_report
         from btb_lab.results import resolve_run_dir
 
@@ -187,14 +217,66 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"no runs under {results}/")
         elif target is None:
             raise UserError("give a run directory or hypothesis id, or --all")
+        elif load_crosscheck(Path(target)) is not None:
+            runs = [Path(target)]
         else:
             runs = [resolve_run_dir(target, results)]
         for run_dir in runs:
+            both = load_crosscheck(run_dir)
+            if both is not None:
+                from btb_lab.report.compare import write_comparison
+
+                dirs = [run_dir / both.runs[both.reference]]
+                dirs += [run_dir / p for b, p in both.runs.items() if b != both.reference]
+                for sub in dirs:
+                    try:
+                        run = build_report(sub)
+                    except OSError as exc:  # a full or read-only disk
+                        raise OutputError(describe_os_error(exc, sub)) from None
+                    typer.echo(f"{sub / 'report.md'}: {run.verdict.word}")
+                try:
+                    write_comparison(dirs, run_dir / both.compare)
+                except OSError as exc:
+                    raise OutputError(describe_os_error(exc, run_dir / both.compare)) from None
+                typer.echo(f"{run_dir / both.compare / 'compare.md'}")
+                continue
             try:
                 run = build_report(run_dir)
             except OSError as exc:  # a full or read-only disk: nothing half-written stays
                 raise OutputError(describe_os_error(exc, run_dir)) from None
             typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
+
+    @app.command()
+    @user_errors
+    def compare(
+        runs: list[str] = typer.Argument(
+            ..., help="Run directories (or hypothesis ids: their latest run), two or more."
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="Output folder (default results/compare/<id>/<UTC time>-<id>/)."
+        ),
+        force: bool = typer.Option(
+            False, "--force", help="Compare runs of different hypotheses or workloads anyway."
+        ),
+        results: Path = typer.Option(Path("results"), "--results", help="Results root."),
+    ) -> None:
+        """How far one world's answer is from another's: per variant and class, TTFT / TPOT /
+        E2E errors beside the reference's run-to-run spread, verdict and ranking agreement."""
+        from btb_lab.report.compare import write_comparison
+        from btb_lab.results import Manifest, new_run_id, resolve_run_dir
+
+        dirs = [resolve_run_dir(r, results) for r in runs]
+        if out is None:
+            hid = Manifest.load(dirs[0]).hypothesis_id
+            out = results / "compare" / hid / new_run_id()
+        comparison = write_comparison(dirs, out, force=force)
+        agree = sum(v.agrees for v in comparison.verdicts)
+        typer.echo(
+            f"{comparison.model_backend} vs {comparison.reference_backend}: verdicts agree "
+            f"{agree}/{len(comparison.verdicts)}, ranking "
+            f"{'same' if comparison.same_ranking else 'different'}"
+        )
+        typer.echo(f"comparison: {out / 'compare.md'}")
 
     @log_app.command("append")
     @user_errors
@@ -204,12 +286,19 @@ def register(app: typer.Typer) -> None:
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
     ) -> None:
         """Append (or update) the run's verdict entry in the log."""
+        from btb_lab.crosscheck import load_crosscheck
         from btb_lab.report.log import append_entry
         from btb_lab.results import resolve_run_dir
 
-        path = resolve_run_dir(run_dir, results)
+        both = load_crosscheck(Path(run_dir))
+        compare_dir: Path | None = None
+        if both is not None:  # the real run's entry, with the comparison's agreement
+            path = Path(run_dir) / both.runs[both.reference]
+            compare_dir = Path(run_dir) / both.compare
+        else:
+            path = resolve_run_dir(run_dir, results)
         try:
-            append_entry(path, log)
+            append_entry(path, log, compare_dir=compare_dir)
         except OSError as exc:
             raise OutputError(describe_os_error(exc, log.parent)) from None
         typer.echo(f"{log}: entry for {path}")

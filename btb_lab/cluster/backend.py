@@ -38,7 +38,7 @@ from btb_lab.cluster.telemetry import (
     scrape_all,
 )
 from btb_lab.errors import UserError
-from btb_lab.records import Request
+from btb_lab.records import EventRecord, Request
 
 if TYPE_CHECKING:
     from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
@@ -287,8 +287,10 @@ class ClusterBackend:
             "driver": stats.as_dict(),
             "router": router.stats.as_dict(),
         }
+        events = router.events.records() + policy.events + _gauge_events(periodic)
         return BackendResult(
             utilization=samples,
+            events=sorted(events, key=lambda e: e.time_s),
             fidelity=fidelity,
             telemetry_source=sampler.source,
             extra=extra,
@@ -305,3 +307,20 @@ async def _scrape_periodically(
     while True:
         await asyncio.sleep(interval_s)
         out.append((clock.now(), await scrape_all(client, endpoints)))
+
+
+def _gauge_events(periodic: list[tuple[float, dict[str, Any]]]) -> list[EventRecord]:
+    """vLLM's own queue depth and running batch per instance from the periodic /metrics
+    scrapes: each scrape's gauge holds until the next scrape (`waiting` / `running`)."""
+    out: list[EventRecord] = []
+    ends = [t for t, _ in periodic[1:]]
+    for (t, scrape), end in zip(
+        periodic, [*ends, periodic[-1][0]] if periodic else [], strict=True
+    ):
+        for name, metrics in sorted(scrape.items()):
+            for kind in ("waiting", "running"):
+                value = metrics.get(kind)
+                if isinstance(value, int | float):
+                    out.append(EventRecord(time_s=t, kind=kind, instance=name, value=float(value),
+                                           end_s=end, origin="vllm_metrics"))  # fmt: skip
+    return out

@@ -15,6 +15,7 @@ from typing import Any
 
 from btb_lab.cluster.driver import ClientPool, RunClock, StreamResult, completion_payload
 from btb_lab.cluster.launcher import Endpoint
+from btb_lab.events import EventLog
 from btb_lab.policies.base import CostModel, Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
 
@@ -179,6 +180,7 @@ class Router:
         self.repeat = repeat
         self.state = RouterState(self.endpoints, costs, clock, cache_blocks=cache_blocks)
         self.stats = RoutingStats()
+        self.events = EventLog("router")  # warm copies and KV transfers, as they happen
         self._engine_ids: dict[int, str] = {}
         self._warm_tasks: set[asyncio.Task[None]] = set()
         self._warming: set[tuple[int, int, int]] = set()
@@ -279,6 +281,13 @@ class Router:
             self.state.prefilled(p, blocks)
         if decode.first_token_s is not None:
             self.state.prefilled(d, blocks)
+        if prefill.finish_s is not None:  # the KV moves once the producer's prefill is done
+            landed = decode.first_token_s
+            self.events.kv_transfer(
+                prefill.finish_s, max(landed, prefill.finish_s) if landed is not None else None,
+                self.endpoints[d].name, self.endpoints[p].name, request.input_tokens,
+                request_id=request.request_id,
+            )  # fmt: skip
         if not prefill.ok and decode.ok:
             decode.ok, decode.error = False, f"Prefill:{prefill.error}"
         record = self._record(request, decision, decode, target_s)
@@ -377,6 +386,12 @@ class Router:
             self.state.prefilled(target, blocks)
         else:
             self.stats.warms_failed += 1
+        # (the try above either bound use_rdma or raised)
+        source = "" if not use_rdma or action.source is None else self.endpoints[action.source].name
+        self.events.warm_copy(
+            start, self.clock.now() if ok else None, self.endpoints[target].name, source,
+            len(tokens), mode="rdma" if use_rdma else "prefill", request_id=request.request_id,
+        )  # fmt: skip
 
     def _mooncake_params(
         self, producer: int, engine_id: str, transfer_id: str

@@ -17,16 +17,26 @@ from pydantic import Field
 
 from btb_lab.config.base import StrictModel
 
-__all__ = ["SIM_ALIASES", "CostSettings", "move_sim_aliases"]
+__all__ = ["SIM_ALIASES", "CostSettings", "ProfileRef", "move_sim_aliases"]
+
+
+class ProfileRef(StrictModel):
+    """`costs.model: {profile: PATH}`: costs from an engine profile fitted by calibrate."""
+
+    profile: str = Field(
+        description="Profile YAML written by `btb-lab calibrate`, relative to the hypothesis "
+        "file's folder."
+    )
 
 
 class CostSettings(StrictModel):
-    """Roofline parameters of the modeled costs (presets × these factors)."""
+    """Where costs come from, and the roofline's parameters (presets × these factors)."""
 
-    model: Literal["roofline"] = Field(
+    model: Literal["roofline"] | ProfileRef = Field(
         "roofline",
         description="Where costs come from: `roofline` (GPU and model presets × MFU/MBU and "
-        "the bandwidths of each tier).",
+        "the bandwidths of each tier) or `{profile: PATH}` (an engine profile fitted to "
+        "measurements by `btb-lab calibrate`; memory still follows the presets).",
     )
     mfu: float = Field(0.5, gt=0, le=1, description="Model FLOP utilization during prefill.")
     mbu: float = Field(0.8, gt=0, le=1, description="Memory bandwidth utilization in decode.")

@@ -17,6 +17,7 @@ from pydantic import (
     ModelWrapValidatorHandler,
     PrivateAttr,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -30,14 +31,17 @@ from btb_lab.config.limits import (
     MAX_INSTANCES,
     MAX_REPEATS,
 )
+from btb_lab.config.metrics import METRICS
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.workload import WorkloadSpec
 
 __all__ = [
     "NUMERIC_FIELDS",
+    "AutoRepeats",
     "ClassRule",
     "ClusterSpec",
     "Condition",
+    "Exclude",
     "Guard",
     "Hypothesis",
     "InstanceGroup",
@@ -189,6 +193,9 @@ class Guard(StrictModel):
         "`config.metrics` by the loader)."
     )
     klass: str | None = Field(None, alias="class", description="Restrict to one class.")
+    pool: str | None = Field(
+        None, description="Restrict to one pool: the requests whose `source` is this."
+    )
     max_worse: float = Field(
         ge=0,
         description="Largest allowed worsening vs baseline: absolute for ok_rate "
@@ -196,10 +203,50 @@ class Guard(StrictModel):
     )
 
 
+class Exclude(StrictModel):
+    """Warmup and cooldown left out of metrics and verdicts, the same way on every backend:
+    measured on the workload's arrival times (target send times) of each repeat."""
+
+    first_s: float = Field(
+        0.0, ge=0, description="Leave out requests arriving in the first this many seconds."
+    )
+    last_s: float = Field(
+        0.0, ge=0, description="Leave out requests arriving in the last this many seconds."
+    )
+    first_requests: int = Field(0, ge=0, description="Leave out the first N requests.")
+    last_requests: int = Field(0, ge=0, description="Leave out the last N requests.")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.first_s or self.last_s or self.first_requests or self.last_requests)
+
+
 class VerdictRule(StrictModel):
     metric: str = Field(description="Primary metric, e.g. ttft_p90, tpot_p90, e2e_p50.")
     klass: str | None = Field(
         None, alias="class", description="Restrict the primary metric to one class."
+    )
+    pool: str | None = Field(
+        None,
+        description="Restrict the primary metric (and per-class checks) to one pool: the "
+        "requests whose `source` is this, e.g. `synthetic` (the bursty windows of "
+        "Bursted-ART) or `art` (the replayed real windows).",
+    )
+    exclude: Exclude | None = Field(
+        None,
+        description="Warmup / cooldown left out of every metric and the verdict: "
+        "{first_s, last_s} seconds or {first_requests, last_requests} of each repeat.",
+    )
+    multiplicity: Literal["holm", "none"] = Field(
+        "holm",
+        description="With several variants against one baseline: `holm` adjusts each "
+        "primary interval by Holm's step-down procedure (the verdict line says so); "
+        "`none` judges every comparison at the plain confidence level.",
+    )
+    require_all_repeats: bool = Field(
+        False,
+        description="One repeat whose change points against the claimed direction means "
+        "not confirmed (INCONCLUSIVE), however the pooled interval looks.",
     )
     direction: Literal["decrease", "increase"] = Field(
         "decrease", description="Claimed direction of change vs baseline."
@@ -224,6 +271,39 @@ class VerdictRule(StrictModel):
     min_ok_requests: int = Field(
         20, ge=1, description="Fewer successful requests per variant → INCONCLUSIVE."
     )
+
+    @model_validator(mode="after")
+    def _pools_are_request_scopes(self) -> VerdictRule:
+        scoped = [("verdict", self.metric, self.pool)]
+        scoped += [(f"guard {g.metric}", g.metric, g.pool) for g in self.guards]
+        for where, metric, pool in scoped:
+            if pool is not None and metric in METRICS and METRICS[metric].level != "request":
+                raise ValueError(f"{where}: metric {metric!r} cannot be restricted to a pool")
+        return self
+
+
+class AutoRepeats(StrictModel):
+    """`repeats: auto`: add repeats until every primary interval is tight enough."""
+
+    min: int = Field(3, ge=2, le=MAX_REPEATS, description="Repeats run before the first check.")
+    max: int = Field(
+        20,
+        ge=2,
+        le=MAX_REPEATS,
+        description=f"Never more repeats than this (at most {MAX_REPEATS:,}).",
+    )
+    half_width: float | None = Field(
+        None,
+        gt=0,
+        description="Stop once every primary interval's half-width is at most this "
+        "(relative, 0.05 = 5 points); default: the verdict's min_effect.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoRepeats:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
 
 
 class SeedVerdict(StrictModel):
@@ -266,7 +346,14 @@ class Hypothesis(StrictModel):
         1,
         ge=1,
         le=MAX_REPEATS,
-        description=f"Repeats of every variant (at most {MAX_REPEATS:,}; each is a full run).",
+        description=f"Repeats of every variant (at most {MAX_REPEATS:,}; each is a full run "
+        "and draws a new workload seed); `auto` runs `auto_repeats.min` and adds repeats "
+        "until the intervals are tight.",
+    )
+    auto_repeats: AutoRepeats | None = Field(
+        None,
+        description="Adaptive repeats (set by `repeats: auto`): min, max and the target "
+        "half-width of the primary intervals.",
     )
     seed: int = Field(0, ge=0, description="Master seed.")
     verdict: VerdictRule = Field(description="Decision rule.")
@@ -281,6 +368,15 @@ class Hypothesis(StrictModel):
         if isinstance(data, dict):
             data = dict(data)
             notes = move_sim_aliases(data)
+            # `repeats: auto` turns auto_repeats on (its defaults when absent); an explicit
+            # count (an override, `--repeats N`) turns it off
+            if data.get("repeats") == "auto":
+                auto = data.get("auto_repeats")
+                if auto is None:
+                    auto = data["auto_repeats"] = {}
+                data["repeats"] = auto.get("min", 3) if isinstance(auto, dict) else 3
+            elif "repeats" in data and data.get("auto_repeats") is not None:
+                data["auto_repeats"] = None
             variants = data.get("variants")
             if isinstance(variants, dict):
                 moved = {}
@@ -293,6 +389,11 @@ class Hypothesis(StrictModel):
         hyp = handler(data)
         hyp._aliases = notes
         return hyp
+
+    @field_serializer("repeats")
+    def _dump_repeats(self, repeats: int) -> int | str:
+        # stored hypotheses (manifests) read back as they were written: `repeats: auto`
+        return "auto" if self.auto_repeats is not None else repeats
 
     @property
     def aliases(self) -> list[str]:

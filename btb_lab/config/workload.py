@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
 
-__all__ = ["GeneratorSpec", "TraceSpec", "WorkloadSpec"]
+__all__ = ["GeneratorSpec", "RepeatVariation", "TraceSpec", "WorkloadSpec"]
 
 
 class TraceSpec(StrictModel):
@@ -23,6 +23,24 @@ class GeneratorSpec(StrictModel):
     kind: str = Field(description="Generator name: bursted, agentic, poisson, gamma.")
     params: dict[str, Any] = Field(
         default_factory=dict, description="Generator parameters (validated by the generator)."
+    )
+
+
+class RepeatVariation(StrictModel):
+    """How repeats of a trace replay differ (a generator already draws new requests from
+    each repeat's seed). Applied to every repeat, the first included, from that repeat's
+    workload seed, so repeats measure workload variance rather than determinism."""
+
+    arrival_jitter_s: float = Field(
+        0.0,
+        ge=0,
+        description="Move each arrival by a uniform draw in ±this many seconds (after "
+        "time_scale); a session's turns keep their order.",
+    )
+    resample_windows: bool = Field(
+        False,
+        description="Replay windows (trace_ids) drawn with replacement, as many as the "
+        "trace has; a window drawn twice gets fresh request ids.",
     )
 
 
@@ -47,6 +65,11 @@ class WorkloadSpec(StrictModel):
         "one after another on one timeline, never overlapping.",
     )
     block_tokens: int = Field(512, ge=1, description="Tokens per prefix-hash block.")
+    variation: RepeatVariation | None = Field(
+        None,
+        description="How repeats of a replay differ: arrival jitter and / or window "
+        "resampling, drawn from each repeat's seed.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkloadSpec:

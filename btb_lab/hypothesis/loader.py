@@ -17,13 +17,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from btb_lab.config.costs import CostSettings, move_sim_aliases
+from btb_lab.config.costs import CostSettings, ProfileRef, move_sim_aliases
 from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.variants import deep_merge
 from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS
+from btb_lab.model.profile import load_profile
 from btb_lab.policies import POLICIES, build_policy
 from btb_lab.workload.loader import validate_workload_spec
 
@@ -432,6 +433,24 @@ def _semantic_problems(
     # variant overrides of sim / costs / cluster
     block_problems = _variant_block_problems(hyp, file=file, data=data, lines=lines, where=where)
     problems += block_problems
+
+    # cost profiles (top level and per variant), read and checked now, not at run time
+    profiles: list[tuple[PathKey, Any]] = [(("costs",), hyp.costs.model)]
+    if not block_problems:
+        profiles += [
+            (("variants", vname, "costs"), CostSettings.model_validate(
+                deep_merge(hyp.costs.model_dump(), variant.costs)).model)
+            for vname, variant in hyp.variants.items() if "model" in variant.costs
+        ]  # fmt: skip
+    for path, chosen in profiles:
+        if isinstance(chosen, ProfileRef):
+            profile_path = Path(chosen.profile)
+            try:
+                load_profile(
+                    profile_path if profile_path.is_absolute() else base_dir / profile_path
+                )
+            except UserError as exc:
+                add((*path, "model", "profile"), str(exc))
 
     # model and GPU presets (the top-level cluster and every variant's own)
     if isinstance(hyp.model, str) and hyp.model.lower() not in MODEL_PRESETS:

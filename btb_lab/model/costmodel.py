@@ -11,6 +11,7 @@ each tier's bandwidth plus a fixed transfer setup latency.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from btb_lab.model.hardware import InstanceSpec, build_instances, resolve_model
@@ -33,6 +34,11 @@ class InstanceCosts:
     decode_context_token_s: float  # per context token per step: KV bytes / (HBM × MBU)
     ram_token_s: float  # loading one token of KV from host RAM
     disk_token_s: float  # loading one token of KV from disk
+    # Terms a fitted profile adds (model.profile); zero on the roofline.
+    prefill_fixed_s: float = 0.0  # per prefill
+    prefill_context_token_s: float = 0.0  # per (new token × context token): attention
+    prefill_cached_token_s: float = 0.0  # per cached prompt token brought into use
+    decode_seq_s: float = 0.0  # per running sequence per decode step
 
 
 class RooflineCostModel:
@@ -82,11 +88,21 @@ class RooflineCostModel:
         return {f"costs.{k}": v for k, v in self.settings.model_dump().items()}
 
 
-def build_cost_model(hypothesis: Hypothesis) -> RooflineCostModel:
-    """The cost model of a (variant-resolved) hypothesis: its model, topology and costs."""
+def build_cost_model(hypothesis: Hypothesis, base_dir: Path | None = None) -> RooflineCostModel:
+    """The cost model of a (variant-resolved) hypothesis: its model, topology and costs.
+    A profile path is relative to `base_dir` (the hypothesis file's folder)."""
     instances = build_instances(
         resolve_model(hypothesis.model),
         hypothesis.cluster,
         gpu_memory_utilization=hypothesis.costs.gpu_memory_utilization,
     )
-    return RooflineCostModel(instances, hypothesis.costs)
+    chosen = hypothesis.costs.model
+    if chosen == "roofline":
+        return RooflineCostModel(instances, hypothesis.costs)
+    from btb_lab.model.profile import ProfileCostModel, load_profile
+
+    path = Path(chosen.profile)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    profile, sha = load_profile(path)
+    return ProfileCostModel(instances, hypothesis.costs, profile, path=chosen.profile, sha256=sha)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from pydantic import ValidationError
 
 from btb_lab.config.base import StrictModel
-from btb_lab.records import Request
+from btb_lab.records import EventRecord, Request
 from btb_lab.registry import Registry
 
 __all__ = [
@@ -115,6 +115,9 @@ class Policy:
     def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
         self.params = params
         self.seed = seed
+        # what the policy itself noticed (a burst detector firing), read by the backend
+        # after the run and stored with the run's other events
+        self.events: list[EventRecord] = []
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         raise NotImplementedError

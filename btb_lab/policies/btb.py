@@ -36,7 +36,7 @@ from btb_lab.config.base import StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, Policy, WarmAction
 from btb_lab.policies.cache_aware import CacheAwareParams, cache_aware_decision
 from btb_lab.policies.common import least_load, require_params, serving
-from btb_lab.records import Request
+from btb_lab.records import EventRecord, Request
 
 __all__ = ["BTB", "BTBParams", "prefix_key"]
 
@@ -149,6 +149,16 @@ class BTB(Policy):
             active = _Active(last_s=now_s)
             self._active[key] = active
             self.fired += 1
+            self.events.append(
+                EventRecord(
+                    time_s=now_s,
+                    kind="burst_detected",
+                    request_id=request.request_id,
+                    value=float(self.cfg.burst_count),
+                    label=key.hex()[:12],
+                    origin="policy",
+                )
+            )
         active.last_s = now_s
         return self._route_active(request, view, prefix, active)
 

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from btb_lab.analysis.summary import analyze_run
 from btb_lab.errors import UserError
@@ -50,11 +51,54 @@ def _report_path(run_dir: Path, log_path: Path) -> str:
     return Path(rel).as_posix()
 
 
-def render_entry(run_dir: Path, log_path: Path) -> tuple[str, str, str]:
-    """(hypothesis id, run id, entry text with its markers) for one stored run."""
+def _crosscheck_context(compare_dir: Path, log_path: Path) -> dict[str, Any]:
+    """What the entry says about the same hypothesis in the other world (compare.json)."""
+    import json
+
+    from btb_lab.analysis.compare import Comparison, summary_errors
+
+    c = Comparison.model_validate(
+        json.loads((compare_dir / "compare.json").read_text(encoding="utf-8"))
+    )
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x * 100:+.1f}%"
+
+    errors = []
+    for variant, metrics in summary_errors(c).items():
+        parts = [
+            f"{name.split('_')[0].upper()}{name.split('_')[1][1:]} {pct(e['error'])}"
+            + (f" (spread {e['spread'] * 100:.1f}%)" if e["spread"] is not None else "")
+            for name, e in metrics.items()
+        ]
+        errors.append(f"{variant}: " + ", ".join(parts))
+    return {
+        "model_backend": c.model_backend,
+        "reference_backend": c.reference_backend,
+        "agree": sum(v.agrees for v in c.verdicts),
+        "verdicts": [
+            f"{v.variant}: {c.model_backend} {v.model}, {c.reference_backend} {v.reference}"
+            for v in c.verdicts
+        ],
+        "same_ranking": c.same_ranking,
+        "errors": errors,
+        "n": len(c.verdicts),
+        "compare_path": _report_path(compare_dir, log_path).replace("report.md", "compare.md"),
+    }
+
+
+def render_entry(
+    run_dir: Path, log_path: Path, *, compare_dir: Path | None = None
+) -> tuple[str, str, str]:
+    """(hypothesis id, run id, entry text with its markers) for one stored run; with
+    `compare_dir` (a comparison of this run with the same hypothesis elsewhere), the entry
+    carries their agreement."""
     run = analyze_run(run_dir)
     context = entry_context(run)
     context["report_path"] = _report_path(run_dir, log_path)
+    context["crosscheck"] = (
+        _crosscheck_context(compare_dir, log_path) if compare_dir is not None else None
+    )
     body = render_template("log_entry.md.j2", context).rstrip("\n")
     hid, run_id = context["id"], context["run_id"]
     text = f"{_START.format(id=hid, run=run_id)}\n{body}\n{_END.format(id=hid, run=run_id)}\n"
@@ -92,10 +136,10 @@ def _locked(log_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def append_entry(run_dir: Path, log_path: Path) -> None:
+def append_entry(run_dir: Path, log_path: Path, *, compare_dir: Path | None = None) -> None:
     """Add the run's entry to the log, or replace it if this run is already there. The
     log is replaced atomically: a reader, or a crash, sees the old log or the new one."""
-    hid, run_id, entry = render_entry(run_dir, log_path)
+    hid, run_id, entry = render_entry(run_dir, log_path, compare_dir=compare_dir)
     if log_path.is_dir():
         raise UserError(f"--log {log_path}: is a directory, not a log file")
     log_path.parent.mkdir(parents=True, exist_ok=True)

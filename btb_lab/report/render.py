@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
+import pandas as pd
 
-from btb_lab.analysis.models import RequestMetrics, Summary
+from btb_lab.analysis.models import Comparison, RequestMetrics, Summary
+from btb_lab.analysis.scopes import measured_window
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
@@ -156,19 +159,152 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 100:+.1f}%"
 
 
+_OUTCOME_WORDS = {
+    "holds": "beyond",
+    "straddles": "straddles (needs more repeats)",
+    "small": "within (short of it)",
+    "noise": "within (no effect)",
+    "reversed": "reversed",
+    "undefined": "undefined",
+}
+_METHOD_WORDS = {
+    "window": "paired bootstrap, exact (quantile window + aggregate cells)",
+    "cells": "paired bootstrap, exact (outcome cells)",
+    "rows": "paired bootstrap, exact (rows drawn by index)",
+    "normal": "normal approximation of the paired bootstrap (run too large to resample rows)",
+    "unpaired": "bootstrap of each variant's time samples (or requests without shared ids) on "
+    "its own, the same repeats drawn for both",
+}
+
+
+def _agreement(c: Comparison) -> str:
+    total = sum(x is not None for x in c.repeat_changes)
+    if total < 2:
+        return "1 repeat" if total == 1 else "n/a"
+    text = f"{c.repeats_agree}/{total}"
+    if c.repeats_contradict:
+        text += f" ({c.repeats_contradict} against)"
+    unchanged = total - c.repeats_agree - c.repeats_contradict
+    return text + (f" ({unchanged} unchanged)" if unchanged else "")
+
+
+def _level(c: Comparison) -> str:
+    return "n/a" if c.level is None else f"{c.level * 100:.4g}%"
+
+
 def _comparisons(run: AnalyzedRun) -> list[dict[str, str]]:
     rows = []
     metric = run.hypothesis.verdict.metric
     for name, vv in run.summary.verdict.variants.items():
         comps = [vv.primary, *vv.per_class] if vv.primary else []
         for c in comps:
+            scope = c.scope + (f", pool {c.pool}" if c.pool else "")
+            p = "n/a" if c.p_value is None else f"{c.p_value:.3g}"
+            if c.adjustment == "holm" and c.p_adjusted is not None:
+                p += f" → {c.p_adjusted:.3g}"
             rows.append({
-                "variant": name, "scope": c.scope, "metric": metric,
+                "variant": name, "scope": scope, "metric": metric,
                 "baseline": _num(c.baseline, 4), "value": _num(c.value, 4),
                 "change": _pct(c.change), "ci": f"[{_pct(c.ci_low)}, {_pct(c.ci_high)}]",
-                "outcome": c.outcome,
+                "level": _level(c), "outcome": _OUTCOME_WORDS[c.outcome], "p": p,
+                "repeats": _agreement(c),
             })  # fmt: skip
     return rows
+
+
+def _statistics(run: AnalyzedRun) -> list[str]:
+    """How the intervals were made and adjusted, and how the repeats agree, in words."""
+    rule = run.hypothesis.verdict
+    lines: list[str] = []
+    primaries = {n: vv.primary for n, vv in run.summary.verdict.variants.items() if vv.primary}
+    methods = sorted({c.method for c in primaries.values() if c.method})
+    if methods:
+        lines.append(
+            f"Intervals: {rule.bootstrap_samples} resamples, "
+            + "; ".join(_METHOD_WORDS.get(m, m) for m in methods)
+            + f"; outcomes read off the interval against the {rule.min_effect * 100:g}% "
+            "minimum effect (beyond → VALIDATED, within or reversed → REJECTED, straddling "
+            "→ INCONCLUSIVE)."
+        )
+    k = max((c.comparisons for c in primaries.values()), default=1)
+    if any(c.adjustment == "holm" for c in primaries.values()):
+        lines.append(
+            f"Multiplicity: {k} variants against `{run.hypothesis.baseline}`, primary "
+            'intervals Holm-adjusted (step-down on the one-sided bootstrap p of "not beyond '
+            'the minimum effect"; levels per comparison in the table); per-class checks '
+            "unadjusted."
+        )
+    elif len(primaries) >= 2:
+        lines.append(f"Multiplicity: {len(primaries)} comparisons, not adjusted "
+                     "(`verdict.multiplicity: none`).")  # fmt: skip
+    else:
+        lines.append("Multiplicity: one comparison, nothing to adjust.")
+    for name, c in primaries.items():
+        total = sum(x is not None for x in c.repeat_changes)
+        if total >= 2:
+            changes = ", ".join(_pct(x) for x in c.repeat_changes)
+            against = f", {c.repeats_contradict} against" if c.repeats_contradict else ""
+            lines.append(
+                f"Repeats ({name}): {c.repeats_agree} of {total} agree in direction{against} "
+                f"({changes})" + ("; every repeat must agree" if rule.require_all_repeats else "")
+            )
+        elif total == 1:
+            lines.append(f"Repeats ({name}): one repeat, no direction check across repeats.")
+    return lines
+
+
+def _breakdown(summary: Summary, attr: str, limit: int = 40) -> list[dict[str, str]]:
+    """Rows of the per-pool / per-window table: one per scope × variant."""
+    rows: list[dict[str, str]] = []
+    scopes: list[str] = []
+    for v in summary.variants.values():
+        for key in getattr(v, attr):
+            if key not in scopes:
+                scopes.append(key)
+    for scope in scopes[:limit]:
+        for name, v in summary.variants.items():
+            m = getattr(v, attr).get(scope)
+            if m is None:
+                continue
+            rows.append({
+                "scope": scope, "variant": name, "ok": f"{m.ok}/{m.n}",
+                "ttft_p50": _num(m.ttft_p50, 3), "ttft_p90": _num(m.ttft_p90, 3),
+                "ttft_p99": _num(m.ttft_p99, 3), "ttft_mean": _num(m.ttft_mean, 3),
+                "e2e_p50": _num(m.e2e_p50, 3), "e2e_p90": _num(m.e2e_p90, 3),
+            })  # fmt: skip
+    return rows
+
+
+def _repeats_text(run: AnalyzedRun) -> str:
+    hyp = run.hypothesis
+    done = run.summary.repeats or hyp.repeats
+    auto = hyp.auto_repeats
+    if auto is None:
+        return str(done)
+    target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
+    return (
+        f"{done} (auto: {auto.min} to {auto.max}, until every primary interval's half-width "
+        f"is at most {target * 100:g} points)"
+    )
+
+
+def _exclusion_text(run: AnalyzedRun) -> str:
+    ex = run.summary.exclusion
+    if ex is None:
+        return ""
+    parts = []
+    if ex.first_s or ex.last_s:
+        parts.append(f"requests arriving in the first {ex.first_s:g} s and last {ex.last_s:g} s")
+    if ex.first_requests or ex.last_requests:
+        parts.append(f"the first {ex.first_requests} and last {ex.last_requests} requests")
+    counts = ", ".join(
+        f"{name} {ex.excluded.get(name, 0)} of {ex.excluded.get(name, 0) + ex.kept.get(name, 0)}"
+        for name in run.summary.variants
+    )
+    return (
+        "Warmup / cooldown excluded from every metric and the verdict (by target send time, "
+        f"the same on every backend): {' and '.join(parts)} of each repeat; left out: {counts}."
+    )
 
 
 # facts already printed elsewhere in the report (variants, topology) or too bulky for it;
@@ -184,8 +320,9 @@ def _shown_fidelity(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def entry_context(run: AnalyzedRun) -> dict[str, Any]:
-    """Everything the report and log templates print, preformatted."""
+def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Everything the report and log templates print, preformatted (`timeline`: the first
+    repeat's events, when the caller has them already)."""
     hyp = run.hypothesis
     manifest = run.manifest
     summary = run.summary
@@ -204,6 +341,8 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
     }
     rule = hyp.verdict
     claim_metric = rule.metric + (f" ({rule.klass})" if rule.klass else "")
+    if rule.pool:
+        claim_metric += f" in pool `{rule.pool}`"
     return {
         "id": hyp.id,
         "title": hyp.title,
@@ -218,7 +357,7 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
         "requests": requests_per_run if requests_per_run is not None else "n/a",
         "time_scale": f"{hyp.workload.time_scale:g}",
         "block_tokens": hyp.workload.block_tokens,
-        "repeats": hyp.repeats,
+        "repeats": _repeats_text(run),
         "seed": hyp.seed,
         "variants": [_variant_text(hyp, n) for n in manifest.variants or hyp.variants],
         "fidelity": [f"{k}={v}" for k, v in fidelity.items()],
@@ -241,6 +380,14 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
         "result_lines": result_lines(summary, hyp.baseline),
         "engine_lines": engine_lines(runs),
         "comparisons": _comparisons(run),
+        "statistics": _statistics(run),
+        "exclusion": _exclusion_text(run),
+        "pools": _breakdown(summary, "pools"),
+        "windows": _breakdown(summary, "windows"),
+        "windows_total": len({w for v in summary.variants.values() for w in v.windows}),
+        "timeline_origins": _origins(
+            timeline if timeline is not None else first_repeat_events(run)
+        ),
         "verdict_word": summary.verdict.word,
         "verdict_reason": summary.verdict.reason,
         "complete": summary.complete,
@@ -259,16 +406,80 @@ def entry_context(run: AnalyzedRun) -> dict[str, Any]:
     }
 
 
+_ORIGIN_WORDS = {
+    "engine": "recorded by the simulator's engine",
+    "router": "recorded by the router as it happened",
+    "policy": "the policy's own decisions",
+    "vllm_metrics": "vLLM's /metrics gauges, scraped periodically",
+    "records": "reconstructed from the request records' time stamps",
+}
+_ORIGIN_NOTES = {
+    ("warm_copy", "policy"): "the copy starts when decided and lands after the cost model's "
+    "transfer time (setup + bytes / link bandwidth; a busy link's wait is not seen)",
+    ("waiting", "records"): "a request waits from its send until its prefill starts",
+    ("running", "records"): "a request runs from its prefill start until it finishes",
+    ("kv_transfer", "records"): "from the first token back by the request's kv_transfer_s",
+}
+
+
+def first_repeat_events(run: AnalyzedRun) -> pd.DataFrame:
+    """The first repeat's events as the timeline draws them (stored, plus what the records
+    reconstruct)."""
+    from btb_lab.analysis.timeline import timeline_events
+
+    records = run.all_records
+    if records.empty:
+        return run.events
+    first = records[records["repeat"] == records["repeat"].min()]
+    events = run.events
+    if not events.empty:
+        events = events[events["repeat"] == first["repeat"].min()]
+    return timeline_events(first, events)
+
+
+def _origins(merged: pd.DataFrame) -> list[str]:
+    """Where each kind of timeline event came from (events.parquet's `origin`)."""
+    if merged.empty:
+        return []
+    lines = []
+    for kind, rows in merged.groupby("kind", sort=True):
+        words = []
+        for origin in sorted(set(rows["origin"].astype(str))):
+            note = _ORIGIN_NOTES.get((str(kind), origin))
+            words.append(_ORIGIN_WORDS.get(origin, origin) + (f" ({note})" if note else ""))
+        lines.append(f"`{kind}`: " + "; ".join(words))
+    return lines
+
+
+def _excluded_spans(run: AnalyzedRun) -> list[tuple[float, float]]:
+    """The warmup and cooldown of the first repeat, as time spans for the timeline."""
+    rule = run.hypothesis.verdict.exclude
+    rows = run.all_records
+    if rule is None or not rule.active or rows.empty:
+        return []
+    rows = rows[
+        (rows["repeat"] == rows["repeat"].min()) & (rows["variant"] == rows["variant"].iloc[0])
+    ]
+    window = measured_window(rows, rule)
+    if window is None:
+        return []
+    start = float(rows["arrival_s"].min())
+    end = float(np.nanmax(rows["finish_s"].to_numpy(float)))
+    return [(start, window[0]), (window[1], end)]
+
+
 def build_report(run_dir: Path) -> AnalyzedRun:
     """Analyze a stored run and (re)write `summary.json`, `plots/` and `report.md`."""
     from btb_lab.report.plots import write_plots
 
     run = analyze_run(run_dir)
     run.summary.save(run_dir)
-    context = entry_context(run)
+    timeline = first_repeat_events(run)
+    context = entry_context(run, timeline)
     context["plots"] = write_plots(
         run_dir / "plots", run.records, run.utilization,
         list(run.summary.variants), [r.name for r in run.hypothesis.classes],
+        all_records=run.all_records, events=timeline, excluded=_excluded_spans(run),
     )  # fmt: skip
     write_atomic(run_dir / "report.md", render_template("report.md.j2", context))
     return run

@@ -2,7 +2,8 @@
 
 Backends stream finished records into JSONL parts (flushed on every write, so Ctrl-C or
 a crash loses nothing finished); the runner converts the parts to `requests.parquet`
-(raw stamps plus the latencies derived from them) and `utilization.parquet` at the end,
+(raw stamps plus the latencies derived from them), `utilization.parquet` and
+`events.parquet` at the end,
 writing each to a temporary file renamed into place, and readers fall back to the parts
 when a run never got that far or a parquet file is unreadable.
 """
@@ -23,9 +24,11 @@ import pandas as pd
 
 from btb_lab.errors import OutputError, UserError, describe_os_error
 from btb_lab.records import (
+    EVENT_COLUMNS,
     RECORD_COLUMNS,
     STORED_COLUMNS,
     UTIL_COLUMNS,
+    EventRecord,
     RequestRecord,
     UtilSample,
     derive_timings,
@@ -36,10 +39,12 @@ __all__ = [
     "finalize_parquet",
     "new_run_dir",
     "new_run_id",
+    "read_events",
     "read_records",
     "read_utilization",
     "record_row",
     "write_atomic",
+    "write_events_part",
     "write_json",
     "write_utilization_part",
 ]
@@ -175,6 +180,26 @@ def write_utilization_part(
         os.fsync(fh.fileno())
 
 
+def write_events_part(
+    run_dir: Path, variant: str, repeat: int, events: Iterable[EventRecord]
+) -> None:
+    """The events of one variant × repeat, ordered by time (ties keep their order)."""
+    parts = run_dir / PARTS_DIR
+    parts.mkdir(parents=True, exist_ok=True)
+    path = parts / _part_name(variant, repeat, "events")
+    ordered = sorted(events, key=lambda e: e.time_s)
+    with path.open("w", encoding="utf-8") as fh:
+        for e in ordered:
+            row = {
+                "variant": variant, "repeat": repeat, "time_s": e.time_s, "kind": e.kind,
+                "instance": e.instance, "peer": e.peer, "request_id": e.request_id,
+                "value": e.value, "end_s": e.end_s, "label": e.label, "origin": e.origin,
+            }  # fmt: skip
+            fh.write(json.dumps(row, allow_nan=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for part in sorted((run_dir / PARTS_DIR).glob(f"{kind}-*.jsonl")):
@@ -222,6 +247,20 @@ def _typed_util(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataF
     return frame.reset_index(drop=True)
 
 
+def _typed_events(rows: list[dict[str, Any]], order: list[str] | None) -> pd.DataFrame:
+    frame = pd.DataFrame(rows, columns=list(EVENT_COLUMNS))
+    for column in ("time_s", "value", "end_s"):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
+    frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
+    for column in ("variant", "kind", "instance", "peer", "request_id", "label", "origin"):
+        frame[column] = frame[column].fillna("").astype(str)
+    if order:
+        rank = {v: i for i, v in enumerate(order)}
+        frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
+        frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
+    return frame.reset_index(drop=True)
+
+
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
     """Temp file + rename: a crash mid-write leaves the old file or none, never half
     (and a failed write, a full disk, removes its temporary file)."""
@@ -235,13 +274,17 @@ def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
 
 
 def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> None:
-    """Convert the JSONL parts into `requests.parquet` and `utilization.parquet`."""
+    """Convert the JSONL parts into `requests.parquet`, `utilization.parquet` and
+    `events.parquet`."""
     _write_parquet(
         _typed_records(_read_parts(run_dir, "requests"), variant_order),
         run_dir / "requests.parquet",
     )
     _write_parquet(
         _typed_util(_read_parts(run_dir, "util"), variant_order), run_dir / "utilization.parquet"
+    )
+    _write_parquet(
+        _typed_events(_read_parts(run_dir, "events"), variant_order), run_dir / "events.parquet"
     )
 
 
@@ -270,3 +313,12 @@ def read_utilization(run_dir: Path, variant_order: list[str] | None = None) -> p
     if frame is not None:
         return frame
     return _typed_util(_read_parts(run_dir, "util"), variant_order)
+
+
+def read_events(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
+    """Every event of a run (EVENT_COLUMNS): `events.parquet`, or the JSONL parts; an empty
+    frame for runs stored before events were recorded."""
+    frame = _read_parquet(run_dir / "events.parquet")
+    if frame is not None:
+        return frame
+    return _typed_events(_read_parts(run_dir, "events"), variant_order)

@@ -17,15 +17,23 @@ from btb_lab.backends import BackendResult, RunContext
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import UserError
+from btb_lab.events import EventLog
 from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
-from btb_lab.policies.base import Policy, build_policy
+from btb_lab.policies.base import ClusterView, Decision, Policy, build_policy
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.engine import Engine
 
 if TYPE_CHECKING:
     from btb_lab.config.hypothesis import Hypothesis
 
-__all__ = ["ENGINE_VERSION", "SimBackend", "fidelity_facts", "run_engine", "simulate"]
+__all__ = [
+    "ENGINE_VERSION",
+    "SimBackend",
+    "fidelity_facts",
+    "run_engine",
+    "simulate",
+    "tap_warm_decisions",
+]
 
 ENGINE_VERSION = "2"  # 2: kv_prefix_sharing (on by default) changes the numbers
 _WRITE_BATCH = 4096
@@ -148,6 +156,38 @@ def simulate(
     return records, util, fidelity
 
 
+def tap_warm_decisions(policy: Policy, log: EventLog) -> None:
+    """Record the warm copies `policy` asks for, seen from outside the engine: started when
+    decided, landing when the cost model says a copy of that size takes (setup + bytes /
+    link bandwidth; no waiting for a busy link). Until the engine records its copies
+    itself, this is the simulator's `warm_copy` event (origin `policy`).
+
+    The tap shadows the instance's `route` (the engine calls `policy.route`); the class is
+    left alone, so the engine's check for an `on_finish` override still holds."""
+    route = policy.route
+
+    def tapped(request: Request, view: ClusterView) -> Decision:
+        decision = route(request, view)
+        for action in decision.warm:
+            n = min(action.n_blocks, len(request.block_hashes))
+            tokens = n * request.block_tokens
+            if tokens <= 0:
+                continue
+            names = [inst.name for inst in view.instances]
+            now = view.now_s
+            if action.mode == "rdma" and action.source is not None:
+                done = now + view.costs.transfer_s(tokens, action.source, action.target)
+                source = names[action.source]
+            else:
+                done = now + view.costs.prefill_s(action.target, tokens)
+                source = ""
+            log.warm_copy(now, done, names[action.target], source, tokens,
+                          mode=action.mode, request_id=request.request_id)  # fmt: skip
+        return decision
+
+    policy.route = tapped  # type: ignore[method-assign]
+
+
 class SimBackend:
     """Backend "sim": the embedded discrete-event simulator."""
 
@@ -156,6 +196,8 @@ class SimBackend:
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
         hyp = ctx.hypothesis
         policy = build_policy(ctx.variant.router.policy, ctx.variant.router.params, seed=ctx.seed)
+        log = EventLog("policy")
+        tap_warm_decisions(policy, log)
         total = len(requests)
         buffer: list[RequestRecord] = []
         done = 0
@@ -182,8 +224,10 @@ class SimBackend:
         fidelity = fidelity_facts(
             hyp.sim, ctx.costs, policy, _block_tokens(requests), hyp.cluster.kv_connector.type
         )
+        log.extend(policy.events)
         return BackendResult(
             utilization=util,
+            events=log.records(),
             fidelity=fidelity,
             telemetry_source="sim",
             extra={"sim_stats": stats},

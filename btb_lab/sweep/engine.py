@@ -33,6 +33,7 @@ import yaml
 from btb_lab.errors import UserError
 from btb_lab.interrupts import Terminated
 from btb_lab.sweep.plan import PointTask, SweepPoint, expand_points, overrides_digest
+from btb_lab.sweep.series import point_series, write_series_plots
 from btb_lab.sweep.spec import LoadedSweep, load_sweep
 from btb_lab.sweep.table import build_table, write_outputs
 
@@ -416,5 +417,10 @@ def run_sweep(
         label_columns=label_columns,
         variants=variants,
         title=title,
+    )
+    metric = loaded.spec.table.plot_metric or loaded.spec.table.metrics[0]
+    series = point_series(tasks, variants, metric, loaded.spec.table.scope)
+    outcome.outputs.update(
+        write_series_plots(series, sweep_dir, label_columns, variants, metric, title)
     )
     return outcome

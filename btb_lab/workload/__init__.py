@@ -7,6 +7,7 @@ replay and `validate_workload_spec(spec, base_dir)` at validate time; `FORMATS` 
 
 from __future__ import annotations
 
+from btb_lab.workload import seed_windows
 from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
 from btb_lab.workload.generators import GENERATORS, GenContext, generate, parse_params
 from btb_lab.workload.loader import (
@@ -27,5 +28,6 @@ __all__ = [
     "load_requests",
     "load_trace",
     "parse_params",
+    "seed_windows",
     "validate_workload_spec",
 ]

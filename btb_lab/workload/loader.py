@@ -17,6 +17,7 @@ from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.records import Request
 from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
 from btb_lab.workload.generators import GENERATORS, GenContext, parse_params
+from btb_lab.workload.variation import vary_requests
 
 __all__ = ["RequestList", "apply_time_scale", "load_requests", "validate_workload_spec"]
 
@@ -130,11 +131,14 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
         params = parse_params(spec.generator.kind, spec.generator.params)
         ctx = GenContext(seed=seed, block_tokens=spec.block_tokens, base_dir=base_dir)
         loaded = LoadedTrace(entry.generate(params, ctx))
+    rows = loaded.requests
+    if spec.variation is not None:
+        rows = vary_requests(rows, spec.variation, seed, stage="windows")
     window_order: dict[str, int] = {}
-    for request in loaded.requests:
+    for request in rows:
         window_order.setdefault(request.trace_id, len(window_order))
     ordered = sorted(
-        enumerate(loaded.requests),
+        enumerate(rows),
         key=lambda item: (window_order[item[1].trace_id], item[1].arrival_s, item[0]),
     )
     selected = [request for _, request in ordered][spec.offset :]
@@ -148,9 +152,14 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
     for request in selected:
         request.block_tokens = spec.block_tokens
     scaled = apply_time_scale(selected, spec.time_scale, spec.window_gap_s)
-    if not math.isfinite(scaled[-1].arrival_s):
+    if spec.variation is not None:
+        scaled = vary_requests(scaled, spec.variation, seed, stage="jitter")
+    if not all(math.isfinite(r.arrival_s) for r in scaled):
+        jitter = spec.variation.arrival_jitter_s if spec.variation is not None else 0.0
         raise UserError(
             "workload: arrival times overflow to infinity after time_scale="
-            f"{spec.time_scale:g} and window_gap_s={spec.window_gap_s:g}; use smaller values"
+            f"{spec.time_scale:g}, window_gap_s={spec.window_gap_s:g}"
+            + (f" and variation.arrival_jitter_s={jitter:g}" if jitter else "")
+            + "; use smaller values"
         )
     return RequestList(scaled, loaded.bad_rows)

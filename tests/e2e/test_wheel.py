@@ -64,4 +64,5 @@ def test_wheel_installs_and_renders_a_report(tmp_path: Path) -> None:
     report = (work / "run" / "report.md").read_text(encoding="utf-8")
     assert report.startswith("# BTB: ")
     assert "**Verdict**: **" in report
-    assert (work / "run" / "plots" / "ttft_cdf.png").is_file()
+    assert (work / "run" / "plots" / "latency_cdf.png").is_file()
+    assert (work / "run" / "plots" / "timeline.png").is_file()

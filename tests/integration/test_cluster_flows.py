@@ -5,6 +5,7 @@ in endpoints mode, and the `router serve` proxy."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -223,6 +224,18 @@ def test_mooncake_offload_follows_the_connector_protocol(fakes: Any) -> None:
     assert p_app.transfers[tid].pulled
     assert d_app.counters["external_prefix_cache_hits"] == 64
     assert router.stats.offloads == 1
+    # the router's event log: the KV moved C0 → C1 between the prefill's end and the
+    # decode's first token
+    (event,) = router.events.records()
+    assert (event.kind, event.instance, event.peer, event.origin) == (
+        "kv_transfer",
+        "C1",
+        "C0",
+        "router",
+    )
+    assert event.request_id == rec.request_id
+    assert event.end_s == rec.first_token_s
+    assert event.time_s == pytest.approx(rec.first_token_s - rec.kv_transfer_s)
 
 
 def test_cold_prefill_offload_salts_the_prefix_cache(fakes: Any) -> None:
@@ -272,9 +285,16 @@ def test_warm_actions_with_and_without_connector(fakes: Any) -> None:
     assert len(pull["prompt"]) == 32
     assert pull["max_tokens"] == 1
     assert router.state.complete_blocks(1, (1, 2)) == 1
+    (copy,) = router.events.records()
+    assert (copy.kind, copy.instance, copy.peer, copy.label) == ("warm_copy", "C1", "C0", "rdma")
+    assert copy.end_s is not None
+    assert copy.end_s >= copy.time_s
+    assert copy.value == 32
 
     b_app.requests.clear()
     __, router, _ = drive([a_ep, b_ep], policy, [req(1)], connector="none")
+    (copy,) = router.events.records()
+    assert (copy.label, copy.peer) == ("prefill", "")  # no connector: recomputed there
     (spec,) = b_app.requests
     assert "kv_transfer_params" not in spec
     assert spec["max_tokens"] == 1
@@ -324,6 +344,28 @@ def test_backend_attached_run_end_to_end(fakes: Any, tmp_path: Path) -> None:
     ids = [t for app, _ in fakes for body in app.requests for t in body["prompt"]]
     assert ids
     assert max(ids) < 5000
+    assert result.events == []  # no warming, no offload, no periodic scrape
+
+
+def test_periodic_metrics_become_queue_and_batch_events(fakes: Any, tmp_path: Path) -> None:
+    hyp = hypothesis_for([ep.base_url for _, ep in fakes])
+    hyp.cluster.launch.metrics_interval_s = 0.05
+    ctx = RunContext(
+        hypothesis=hyp, variant_name="ll", variant=hyp.variants["ll"], repeat=0, seed=1,
+        run_dir=tmp_path, sink=ListSink(), costs=build_cost_model(hyp),
+    )  # fmt: skip
+    requests = [req(i, 0.05 * i, blocks=(5, 6)) for i in range(8)]
+    result = ClusterBackend().run_variant(ctx, requests)
+    scrapes = result.extra["metrics"]["periodic"]
+    assert scrapes
+    gauges = [e for e in result.events if e.origin == "vllm_metrics"]
+    assert {e.kind for e in gauges} == {"waiting", "running"}
+    assert {e.instance for e in gauges} == {"C0", "C1"}
+    # each scrape's gauge holds until the next scrape
+    c0 = sorted((e for e in gauges if e.instance == "C0" and e.kind == "running"),
+                key=lambda e: e.time_s)  # fmt: skip
+    assert [e.time_s for e in c0] == [t for t, _ in scrapes]
+    assert all(a.end_s == b.time_s for a, b in itertools.pairwise(c0))
 
 
 def test_proxy_routes_and_streams(fakes: Any) -> None:

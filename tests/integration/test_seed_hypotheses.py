@@ -61,13 +61,15 @@ def test_h2_prefill_service_variants_use_the_ps(tmp_path: Path) -> None:
 
 
 def test_h3_offload_decode_offloads_heavy(tmp_path: Path) -> None:
-    s = _run("h3.yaml", tmp_path, "REJECTED")
+    # one shortened repeat: the E2E interval reaches both sides of the 5% bar
+    s = _run("h3.yaml", tmp_path, "INCONCLUSIVE")
     assert _routes(s, "offload_decode").get("HEAVY_OFFLOAD", 0) > 0
     assert "HEAVY_OFFLOAD" not in _routes(s, "affinity")
 
 
 def test_h4_cache_gate_splits_heavy_into_offload_and_colo(tmp_path: Path) -> None:
-    s = _run("h4.yaml", tmp_path, "REJECTED", requests=200)
+    # one repeat: the GPU-imbalance interval spans tens of percent either way
+    s = _run("h4.yaml", tmp_path, "INCONCLUSIVE", requests=200)
     for v in ("gate_0.3", "gate_0.5"):
         routes = _routes(s, v)
         assert routes.get("HEAVY_OFFLOAD", 0) > 0
@@ -90,7 +92,7 @@ def test_h6_setting_reaches_the_simulator(tmp_path: Path) -> None:
 
 
 def test_h7_lower_overload_factor_breaks_affinity_more(tmp_path: Path) -> None:
-    s = _run("h7.yaml", tmp_path, "REJECTED")
+    s = _run("h7.yaml", tmp_path, "INCONCLUSIVE")  # one repeat: a very wide interval
     broken = {v: _routes(s, v).get("BROKEN", 0) for v in s.variants}
     assert broken["of_1.0"] > broken["of_2.0"]
 

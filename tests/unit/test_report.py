@@ -36,7 +36,10 @@ def test_report_has_the_seed_log_shape(tmp_path: Path, fake_effects) -> None:
     assert "SHORT: n=" in report
     assert "fake.factor=1.0" in report  # backend fidelity is printed
     assert "time_scale 1" in report
-    assert "![TTFT CDF per variant](plots/ttft_cdf.png)" in report
+    assert "](plots/latency_cdf.png)" in report
+    assert "](plots/timeline.png)" in report
+    assert (outcome.run_dir / "plots" / "latency_cdf.png").is_file()
+    assert (outcome.run_dir / "plots" / "timeline.png").is_file()
     assert (outcome.run_dir / "plots" / "utilization.png").is_file()
     assert summary.verdict.reason in report
 
@@ -56,12 +59,20 @@ def test_summary_contract_keys(tmp_path: Path, fake_effects) -> None:
     summary = json.loads((outcome.run_dir / "summary.json").read_text())
     assert summary["hypothesis"] == "HT"
     assert summary["backend"] == "fake"
-    assert summary["verdict"]["word"] == "REJECTED"  # no effect set: both run at 1.0
+    # no effect set: both run at 1.0, with independent noise on 120 requests, so the
+    # interval reaches both sides of the 5% bar
+    assert summary["verdict"]["word"] == "INCONCLUSIVE"
+    assert summary["verdict"]["variants"]["fast"]["primary"]["outcome"] == "straddles"
     v = summary["variants"]["fast"]
     for stat in ("n", "ok", "ok_rate", "ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99",
                  "ttft_mean", "tpot_p90", "e2e_p50", "e2e_mean"):  # fmt: skip
         assert stat in v["all"]
     assert set(v["gpu"]) >= {"imbalance", "std", "max"}
+    assert set(v["pools"]) == {"synthetic"}
+    assert v["pools"]["synthetic"]["n"] == 120
+    primary = summary["verdict"]["variants"]["fast"]["primary"]
+    for key in ("level", "method", "p_value", "adjustment", "repeat_changes", "repeats_agree"):
+        assert key in primary
     assert v["routes"] == {"COLO": 120}
     assert v["cache"]["requests_with_hit"] == 60
 

@@ -153,7 +153,7 @@ def test_run_writes_results_and_validates_a_clear_win(tmp_path: Path, fake_effec
     run_dir = outcome.run_dir
     assert CLOSED == [FAKE]  # the backend is closed once, after the last variant
     for name in ("manifest.json", "requests.parquet", "utilization.parquet", "summary.json",
-                 "report.md", "plots/ttft_cdf.png"):  # fmt: skip
+                 "report.md", "plots/latency_cdf.png", "events.parquet"):  # fmt: skip
         assert (run_dir / name).is_file(), name
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["complete"] is True

@@ -334,3 +334,47 @@ def test_cli_rejects_unknown_executor(tmp_path: Path) -> None:
     assert "--executor" in proc.stderr
     assert "local, ray" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------- series and Pareto
+
+
+def test_pareto_front_known_answer() -> None:
+    import numpy as np
+
+    from btb_lab.sweep.series import pareto_front
+
+    throughput = np.array([1.0, 2.0, 2.0, 3.0, 1.5])
+    latency = np.array([0.5, 0.6, 0.9, 1.4, 0.7])
+    # (2, 0.9) is beaten by (2, 0.6); (1.5, 0.7) by (2, 0.6)
+    assert pareto_front(throughput, latency).tolist() == [True, True, False, True, False]
+
+
+def test_series_plots_draw_a_line_per_variant_and_a_pareto_view_for_load(tmp_path: Path) -> None:
+    from btb_lab.sweep.series import is_load_column, write_series_plots
+
+    assert is_load_column("workload.time_scale")
+    assert is_load_column("workload.generator.params.rate_per_s")
+    assert not is_load_column("sim.kv_visibility")
+    rows = []
+    for scale, rps in ((2.0, 1.0), (1.0, 2.0), (0.5, 3.5)):
+        for variant, factor in (("cache_aware", 1.0), ("btb", 0.7)):
+            value = factor / scale
+            rows.append({"point_id": f"p{scale}", "workload.time_scale": str(scale),
+                         "variant": variant, "metric": "ttft_p90", "value": value,
+                         "ci_low": 0.9 * value, "ci_high": 1.1 * value, "offered_rps": rps,
+                         "achieved_rps": rps * 0.95})  # fmt: skip
+    series = pd.DataFrame(rows)
+    paths = write_series_plots(series, tmp_path, ["workload.time_scale"],
+                               ["cache_aware", "btb"], "ttft_p90", "t")  # fmt: skip
+    assert set(paths) == {"intervals", "series", "pareto"}
+    assert paths["series"].stat().st_size > 1000
+    assert paths["pareto"].stat().st_size > 1000
+    back = pd.read_csv(paths["intervals"])
+    assert len(back) == 6
+    # not a load sweep: no Pareto view
+    other = series.rename(columns={"workload.time_scale": "sim.kv_visibility"})
+    (tmp_path / "o").mkdir()
+    paths = write_series_plots(other, tmp_path / "o", ["sim.kv_visibility"],
+                               ["cache_aware", "btb"], "ttft_p90", "t")  # fmt: skip
+    assert "pareto" not in paths

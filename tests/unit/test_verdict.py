@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from btb_lab.analysis.bootstrap import counts_percentile
 from btb_lab.analysis.metrics import latency_stat
-from btb_lab.analysis.verdict import _RankPercentile, evaluate_verdict, paired_units
+from btb_lab.analysis.verdict import evaluate_verdict, paired_units
 from btb_lab.config.hypothesis import VerdictRule
 from btb_lab.records import derive_timings
 
@@ -64,7 +65,7 @@ def test_no_change_is_rejected_within_noise() -> None:
     # identical latencies per request: the paired interval is exactly no change
     v = judge(records("base", 1.0, seed=1) + records("new", 1.0, seed=1))
     assert v.word == "REJECTED"
-    assert v.reason.endswith("within noise")
+    assert v.reason.endswith("within noise: no effect of the 5% minimum size")
     p = v.variants["new"].primary
     assert p.paired
     assert p.ci_low == 0 == p.ci_high
@@ -147,7 +148,7 @@ def test_strongest_variant_decides() -> None:
     rows = records("base", 1.0, seed=1) + records("same", 1.0, seed=2) + records("new", 0.5, seed=3)
     v = judge(rows, variants=("base", "same", "new"))
     assert v.word == "VALIDATED"
-    assert "(new vs base)" in v.reason
+    assert "(new vs base; Holm-adjusted over 2 comparisons, 97.5% interval)" in v.reason
     assert v.variants["same"].word == "REJECTED"
 
 
@@ -191,7 +192,9 @@ def test_small_slowdown_on_every_request_gives_a_tight_paired_interval() -> None
     assert p.paired
     assert 0.010 <= p.ci_low <= p.change <= p.ci_high <= 0.016
     assert v.word == "REJECTED"
-    assert v.reason.endswith("smaller than the 5% minimum effect")
+    assert v.reason.endswith(
+        "smaller than the 5% minimum effect (the whole interval is short of it)"
+    )
     loose = judge(unpaired(rows), rule).variants["new"].primary
     assert not loose.paired
     assert loose.ci_low < 0 < loose.ci_high  # what the unpaired bootstrap made of it
@@ -287,13 +290,15 @@ def test_same_seed_same_verdict_other_seed_other_interval() -> None:
     assert a.variants["new"].primary.ci_low != c.variants["new"].primary.ci_low
 
 
-def test_rank_percentile_matches_numpy_on_resamples() -> None:
+def test_percentile_from_counts_matches_numpy_on_resamples() -> None:
+    # the bootstrap evaluates percentiles from how often each sorted row was drawn
     rng = np.random.default_rng(7)
-    column = rng.lognormal(0, 1, 501)
-    column[rng.random(501) < 0.1] = np.nan
+    column = np.sort(rng.lognormal(0, 1, 501))
     for q in (50.0, 90.0, 95.0, 99.0):
-        fast = _RankPercentile(column, q)
         for _ in range(20):
             rows = rng.integers(0, column.size, column.size)
-            assert fast(rows) == latency_stat(column[rows], f"p{q:g}")
-    assert np.isnan(_RankPercentile(np.full(4, np.nan), 90.0)(np.arange(4)))
+            counts = np.bincount(rows, minlength=column.size)
+            assert counts_percentile(column, counts, q / 100) == latency_stat(
+                column[rows], f"p{q:g}"
+            )
+    assert np.isnan(counts_percentile(column[:4], np.zeros(4, dtype=int), 0.9))

@@ -50,7 +50,7 @@ def test_same_seed_same_requests_other_seed_differs(kind: str, params: dict[str,
 
 
 def test_registry_names_and_unknown_param() -> None:
-    assert list(GENERATORS) == ["agentic", "bursted", "gamma", "poisson"]
+    assert list(GENERATORS) == ["agentic", "bursted", "gamma", "poisson", "seed_bursty"]
     for name in GENERATORS:
         model = GENERATORS.get(name).params_model
         assert all(f.description for f in model.model_fields.values()), name

@@ -1,0 +1,91 @@
+"""Which requests a metric or a verdict covers: warmup / cooldown exclusion and pools.
+
+Both are read off workload fields every backend stamps the same way — the target send
+time (`arrival_s`) and the request's `source` — so a simulator run and a real run of one
+hypothesis exclude the same requests and pool them alike, and every variant of a repeat
+keeps the same requests (pairing is preserved).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from btb_lab.analysis.models import Exclusion
+from btb_lab.config.hypothesis import Exclude
+
+__all__ = ["apply_exclusion", "in_pool", "measured_window"]
+
+
+def _window_mask(rows: pd.DataFrame, rule: Exclude) -> np.ndarray:
+    arrival = rows["arrival_s"].to_numpy(dtype=float)
+    keep = np.ones(len(rows), dtype=bool)
+    if len(rows) == 0:
+        return keep
+    if rule.first_s or rule.last_s:
+        start, end = float(np.nanmin(arrival)), float(np.nanmax(arrival))
+        keep &= (arrival >= start + rule.first_s) & (arrival <= end - rule.last_s)
+    if rule.first_requests or rule.last_requests:
+        order = np.lexsort((rows["request_id"].astype(str).to_numpy(), arrival))
+        rank = np.empty(len(rows), dtype=np.int64)
+        rank[order] = np.arange(len(rows))
+        keep &= (rank >= rule.first_requests) & (rank < len(rows) - rule.last_requests)
+    return keep
+
+
+def measured_window(rows: pd.DataFrame, rule: Exclude | None) -> tuple[float, float] | None:
+    """(first, last) arrival time of the requests one repeat keeps; None without a rule."""
+    if rule is None or not rule.active or len(rows) == 0:
+        return None
+    kept = rows["arrival_s"].to_numpy(dtype=float)[_window_mask(rows, rule)]
+    if kept.size == 0:
+        return (np.inf, -np.inf)
+    return float(kept.min()), float(kept.max())
+
+
+def apply_exclusion(
+    records: pd.DataFrame, util: pd.DataFrame, rule: Exclude | None
+) -> tuple[pd.DataFrame, pd.DataFrame, Exclusion | None]:
+    """Records and utilization samples inside each repeat's measured window, and what was
+    left out. Requests are kept by arrival time (or rank); utilization samples by whether
+    their time falls between the first and last kept arrival of their variant × repeat."""
+    if rule is None or not rule.active or records.empty:
+        return records, util, None
+    keep = np.zeros(len(records), dtype=bool)
+    windows: dict[tuple[str, int], tuple[float, float]] = {}
+    groups: dict[Any, Any] = records.groupby(["variant", "repeat"], sort=False).indices
+    for (variant, repeat), where in groups.items():
+        rows = records.iloc[where]
+        mask = _window_mask(rows, rule)
+        keep[where] = mask
+        kept = rows["arrival_s"].to_numpy(dtype=float)[mask]
+        windows[(str(variant), int(repeat))] = (
+            (float(kept.min()), float(kept.max())) if kept.size else (np.inf, -np.inf)
+        )
+    kept_records = records[keep]
+    excluded = records[~keep]
+    if not util.empty:
+        lo = np.array([windows.get((str(v), int(r)), (np.inf, -np.inf))[0]
+                       for v, r in zip(util["variant"], util["repeat"], strict=True)])  # fmt: skip
+        hi = np.array([windows.get((str(v), int(r)), (np.inf, -np.inf))[1]
+                       for v, r in zip(util["variant"], util["repeat"], strict=True)])  # fmt: skip
+        t = util["time_s"].to_numpy(dtype=float)
+        util = util[(t >= lo) & (t <= hi)]
+
+    def counts(frame: pd.DataFrame) -> dict[str, int]:
+        return {str(k): int(v) for k, v in frame.groupby("variant", sort=False).size().items()}
+
+    summary = Exclusion(
+        first_s=rule.first_s, last_s=rule.last_s, first_requests=rule.first_requests,
+        last_requests=rule.last_requests, excluded=counts(excluded), kept=counts(kept_records),
+    )  # fmt: skip
+    return kept_records, util, summary
+
+
+def in_pool(records: pd.DataFrame, pool: str | None) -> pd.DataFrame:
+    """The records of one pool (requests whose `source` is `pool`), or all of them."""
+    if pool is None:
+        return records
+    return records[records["source"].astype(str) == pool]

@@ -1,0 +1,206 @@
+"""Engine cost profiles: an engine's costs fitted to measurements (`btb-lab calibrate`),
+the alternative to the roofline (`costs.model: {profile: PATH}`).
+
+A profile is a YAML file holding the fitted coefficients, their fit quality (residuals and
+the error on points held out of the fit), and what they were measured on (engine and
+version, model, hardware, block size, settings). Its cost functions:
+
+- prefill of n uncached tokens on top of c cached ones:
+  fixed_s + per_token_s · n + per_token_context_s · n · (c + n / 2) + per_cached_token_s · c
+  (a fixed per-request cost, linear compute, attention over the context so far, and the
+  cost of bringing a cached prefix into use);
+- one decode step of a batch of b sequences holding K context tokens in all:
+  fixed_s + per_seq_s · b + per_context_token_s · K;
+- a KV transfer of n tokens between instances (when measured): fixed_s + per_token_s · n.
+
+The simulator advances its clock by these; cost-based policies price work with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from btb_lab.errors import UserError
+from btb_lab.model.costmodel import InstanceCosts, RooflineCostModel
+
+if TYPE_CHECKING:
+    from btb_lab.config.costs import CostSettings
+    from btb_lab.model.hardware import InstanceSpec
+
+__all__ = [
+    "DecodeFit",
+    "EngineProfile",
+    "FitQuality",
+    "PrefillFit",
+    "ProfileCostModel",
+    "TransferFit",
+    "load_profile",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class FitQuality(_Strict):
+    """How well a fit reproduces its measurements."""
+
+    points: int = Field(description="Measured points the fit used.")
+    holdout_points: int = Field(0, description="Points held out of the fit.")
+    mape: float = Field(description="Mean absolute percentage error on the fitted points.")
+    holdout_mape: float | None = Field(None, description="The same on held-out points.")
+    max_abs_error_s: float = Field(description="Largest absolute residual, seconds.")
+
+
+class PrefillFit(_Strict):
+    fixed_s: float = Field(ge=0, description="Fixed cost of one prefill (scheduling, HTTP).")
+    per_token_s: float = Field(ge=0, description="Per uncached prompt token.")
+    per_token_context_s: float = Field(
+        0.0, ge=0, description="Attention term: per (new token × context token)."
+    )
+    per_cached_token_s: float = Field(
+        0.0, ge=0, description="Per cached prompt token brought into use."
+    )
+    quality: FitQuality | None = None
+
+
+class DecodeFit(_Strict):
+    fixed_s: float = Field(ge=0, description="Fixed cost of one decode step.")
+    per_seq_s: float = Field(0.0, ge=0, description="Per running sequence in the step.")
+    per_context_token_s: float = Field(
+        0.0, ge=0, description="Per context token (all sequences) read in the step."
+    )
+    quality: FitQuality | None = None
+
+
+class TransferFit(_Strict):
+    fixed_s: float = Field(ge=0, description="Fixed cost of one KV transfer.")
+    per_token_s: float = Field(ge=0, description="Per transferred token of KV.")
+    quality: FitQuality | None = None
+
+
+class EngineProfile(_Strict):
+    """A profile file."""
+
+    name: str = Field(description="Short name, e.g. tiny-llama-vllm-cpu.")
+    description: str | None = None
+    measured_on: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine and version, model, hardware, block size, engine settings, date.",
+    )
+    prefill: PrefillFit
+    decode: DecodeFit
+    transfer: TransferFit | None = None
+    points: list[dict[str, Any]] = Field(
+        default_factory=list, description="The measured points (raw, for re-fitting)."
+    )
+
+    def prefill_s(self, tokens: float, cached_tokens: float = 0.0) -> float:
+        p = self.prefill
+        return (
+            p.fixed_s
+            + p.per_token_s * tokens
+            + p.per_token_context_s * tokens * (cached_tokens + tokens / 2)
+            + p.per_cached_token_s * cached_tokens
+        )
+
+    def decode_step_s(self, batch: int, context_tokens: float) -> float:
+        d = self.decode
+        return d.fixed_s + d.per_seq_s * batch + d.per_context_token_s * context_tokens
+
+    def save(self, path: Path) -> None:
+        text = yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+
+
+def load_profile(path: Path) -> tuple[EngineProfile, str]:
+    """A profile and the sha256 of its file (a UserError naming the file and field)."""
+    try:
+        raw = path.read_bytes()
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such profile file (make one with `btb-lab calibrate`)") \
+            from None  # fmt: skip
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: unreadable profile: {exc}") from None
+    try:
+        profile = EngineProfile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise UserError(f"{path}: {where}: {first['msg']}") from None
+    return profile, hashlib.sha256(raw).hexdigest()
+
+
+class ProfileCostModel(RooflineCostModel):
+    """Costs from a fitted engine profile. Hardware facts the profile does not measure (KV
+    bytes, tier bandwidths for host RAM and disk, the KV budget) still come from the
+    presets, so memory behaves as on the roofline; compute and decode come from the fit,
+    and KV transfers too when the profile measured them."""
+
+    name = "profile"
+
+    def __init__(
+        self,
+        instances: list[InstanceSpec],
+        settings: CostSettings,
+        profile: EngineProfile,
+        *,
+        path: str,
+        sha256: str,
+    ) -> None:
+        self.profile = profile
+        self.path = path
+        self.sha256 = sha256
+        super().__init__(instances, settings)
+        if profile.transfer is not None:
+            self.transfer_setup_s = profile.transfer.fixed_s
+
+    def _instance_costs(self, spec: InstanceSpec) -> InstanceCosts:
+        base = super()._instance_costs(spec)
+        p, d = self.profile.prefill, self.profile.decode
+        return InstanceCosts(
+            prefill_token_s=p.per_token_s,
+            decode_step_s=d.fixed_s,
+            decode_context_token_s=d.per_context_token_s,
+            ram_token_s=base.ram_token_s,
+            disk_token_s=base.disk_token_s,
+            prefill_fixed_s=p.fixed_s,
+            prefill_context_token_s=p.per_token_context_s,
+            prefill_cached_token_s=p.per_cached_token_s,
+            decode_seq_s=d.per_seq_s,
+        )
+
+    def prefill_s(self, instance: int, tokens: int) -> float:
+        return self.profile.prefill_s(tokens)
+
+    def transfer_s(self, tokens: int, source: int, target: int) -> float:
+        t = self.profile.transfer
+        if t is None:
+            return super().transfer_s(tokens, source, target)
+        return t.fixed_s + t.per_token_s * tokens
+
+    def facts(self) -> dict[str, Any]:
+        facts = super().facts()
+        facts.update(
+            {
+                "costs.model": "profile",
+                "costs.profile.path": self.path,
+                "costs.profile.sha256": self.sha256,
+                "costs.profile.name": self.profile.name,
+                "costs.profile.prefill": self.profile.prefill.model_dump(exclude={"quality"}),
+                "costs.profile.decode": self.profile.decode.model_dump(exclude={"quality"}),
+                "costs.profile.measured_on": self.profile.measured_on,
+            }
+        )
+        if self.profile.transfer is not None:
+            facts["costs.profile.transfer"] = self.profile.transfer.model_dump(exclude={"quality"})
+        return facts

@@ -1,0 +1,93 @@
+"""`btb-lab compare` on constructed runs with known errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from btb_lab.analysis.compare import compare_runs
+from btb_lab.cli import app
+from btb_lab.results import Manifest
+from tests.unit.test_runner_fake import EFFECTS, fake_effects, run_fake
+
+__all__ = ["fake_effects"]
+
+
+def _as_cluster(run_dir: Path) -> None:
+    """Relabel a fake run as a real-cluster run (the reference side of a comparison)."""
+    manifest = Manifest.load(run_dir)
+    manifest.backend = "cluster"
+    manifest.save(run_dir)
+
+
+@pytest.fixture
+def pair(tmp_path: Path, fake_effects) -> tuple[Path, Path]:
+    """A 'real' run (3 repeats) and a 'model' run whose every TTFT is exactly 1.25× the
+    real one's (the fake backend draws the same numbers for the same seed)."""
+    EFFECTS.update({"base": 1.0, "fast": 0.5})
+    real = run_fake(tmp_path, out="real", repeats=3).run_dir
+    _as_cluster(real)
+    EFFECTS.update({"base": 1.25, "fast": 0.625})
+    model = run_fake(tmp_path, out="model", repeats=3).run_dir
+    return real, model
+
+
+def test_known_errors_spread_verdicts_and_ranking(pair: tuple[Path, Path]) -> None:
+    real, model = pair
+    c = compare_runs([model, real])  # order does not matter: the cluster run is the reference
+    assert (c.reference_backend, c.model_backend) == ("cluster", "fake")
+    assert c.reference_runs == [str(real)]
+    for variant in ("base", "fast"):
+        for metric in ("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99"):
+            assert c.gap(variant, metric).error == pytest.approx(0.25), (variant, metric)
+        assert c.gap(variant, "tpot_p50").error == pytest.approx(0.0, abs=1e-12)
+    # the spread is the reference's (max − min) / mean over its three repeats
+    records = pd.read_parquet(real / "requests.parquet")
+    ok = records[(records["variant"] == "base") & records["ok"]]
+    per_repeat = ok.groupby("repeat")["ttft_s"].apply(lambda s: np.percentile(s, 90)).to_numpy()
+    expected = (per_repeat.max() - per_repeat.min()) / per_repeat.mean()
+    gap = c.gap("base", "ttft_p90")
+    assert gap.spread == pytest.approx(expected)
+    assert gap.within_spread == (expected >= 0.25)
+    assert len(gap.reference_repeats) == 3
+    # classes are the reference's labels on both sides, so every class has both sides
+    assert (
+        c.gap("fast", "ttft_p50", "LONG").n_model == c.gap("fast", "ttft_p50", "LONG").n_reference
+    )
+    assert [(v.variant, v.agrees) for v in c.verdicts] == [("fast", True)]
+    assert c.reference_ranking == c.model_ranking == ["fast", "base"]
+    assert c.same_ranking
+
+
+def test_cli_writes_compare_files_and_refuses_other_experiments(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    real, model = pair
+    runner = CliRunner()
+    out = tmp_path / "cmp"
+    result = runner.invoke(app, ["compare", str(real), str(model), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "verdicts agree 1/1, ranking same" in result.output
+    data = json.loads((out / "compare.json").read_text())
+    assert data["hypothesis"] == "HT"
+    md = (out / "compare.md").read_text()
+    assert "| base | +25.0% [" in md
+    assert (out / "plots" / "ttft_cdf.png").is_file()
+
+    # another hypothesis: refused with exit 2 and a clear message, unless --force
+    other = Manifest.load(model)
+    other.hypothesis["id"] = "OTHER"
+    other.save(model)
+    refused = runner.invoke(app, ["compare", str(real), str(model), "--out", str(out / "x")])
+    assert refused.exit_code == 2
+    assert "runs of different experiments" in refused.output
+    assert "is hypothesis 'OTHER'" in refused.output
+    forced = runner.invoke(app, ["compare", str(real), str(model), "--force", "--out",
+                                 str(out / "y")])  # fmt: skip
+    assert forced.exit_code == 0, forced.output
+    assert "Warning" in (out / "y" / "compare.md").read_text()
