@@ -36,6 +36,7 @@ __all__ = [
     "GenContext",
     "GeneratorEntry",
     "PoissonParams",
+    "check_request_count",
     "generate",
     "parse_params",
 ]
@@ -191,11 +192,12 @@ class BurstedParams(StrictModel):
             + self.decoys_per_window * self.decoy_repeats
             + self.background_rate_per_s * self.window_s
         )
-        _check_request_count(self.windows * per_window, "windows × requests per window")
+        check_request_count(self.windows * per_window, "windows × requests per window")
         return self
 
 
-def _check_request_count(expected: float, what: str) -> None:
+def check_request_count(expected: float, what: str) -> None:
+    """Refuse generator parameters that make more than MAX_REQUESTS requests."""
     if expected > MAX_REQUESTS:
         raise ValueError(
             f"these parameters make about {expected:,.0f} requests ({what}); the limit is "
@@ -445,7 +447,7 @@ class AgenticParams(StrictModel):
     @model_validator(mode="after")
     def _bounded(self) -> AgenticParams:
         turns = min(float(self.max_turns), self.turns_mean)
-        _check_request_count(self.sessions * turns, "sessions × mean turns")
+        check_request_count(self.sessions * turns, "sessions × mean turns")
         return self
 
 

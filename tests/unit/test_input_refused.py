@@ -133,6 +133,16 @@ def test_a_bursted_workload_too_big_to_generate_is_refused(tmp_path: Path) -> No
     refused(cli("validate", path), "workload.generator.params", "the limit is 10,000,000")
 
 
+def test_a_seed_bursty_workload_too_big_to_generate_is_refused(tmp_path: Path) -> None:
+    # every parameter within its own bound, the product ~1e12 requests
+    params = "{windows: 10000, bursts: 1000, burst_size: 100000}"
+    path = write_small(tmp_path, **{BURSTED[0]: BURSTED[0].replace(
+        "kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}",
+        f"kind: seed_bursty\n    params: {params}",
+    )})  # fmt: skip
+    refused(cli("validate", path), "workload.generator.params", "the limit is 10,000,000")
+
+
 def test_a_workload_stretched_beyond_the_sampling_budget_is_refused_before_it_runs(
     tmp_path: Path,
 ) -> None:
