@@ -47,8 +47,8 @@ def user_errors(func: F) -> F:
 def _parse_set(items: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """`--set dotted.path=VALUE` items: the overrides (values read as YAML, with the
     hypothesis loader's checks) and, per key, the `--set` it came from."""
-    from btb_lab.hypothesis.loader import parse_yaml_value
     from btb_lab.redact import redact_argv
+    from btb_lab.yamlio import parse_yaml_value
 
     out: dict[str, Any] = {}
     origins: dict[str, str] = {}

@@ -61,7 +61,7 @@ def _load(
 
 
 def _parse_params(items: list[str]) -> dict[str, Any]:
-    from btb_lab.hypothesis.loader import parse_yaml_value
+    from btb_lab.yamlio import parse_yaml_value
 
     params: dict[str, Any] = {}
     for item in items:

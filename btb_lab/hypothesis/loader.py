@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from btb_lab.config.costs import CostSettings, ProfileRef, move_sim_aliases
@@ -27,6 +26,8 @@ from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS
 from btb_lab.model.profile import load_profile
 from btb_lab.policies import POLICIES, build_policy
 from btb_lab.workload.loader import validate_workload_spec
+from btb_lab.yamlio import MAX_YAML_NODES, PathKey, compose_yaml, parse_yaml_value
+from btb_lab.yamlio import dotted as _dotted
 
 __all__ = [
     "MAX_YAML_NODES",
@@ -39,11 +40,6 @@ __all__ = [
     "parse_yaml_value",
 ]
 
-PathKey = tuple[str | int, ...]
-# A YAML file whose aliases expand to more nodes than this is refused before anything walks
-# it (a few anchors listing each other nine times expand to hundreds of millions of nodes).
-MAX_YAML_NODES = 200_000
-
 
 @dataclass
 class LoadedHypothesis:
@@ -54,132 +50,6 @@ class LoadedHypothesis:
     path: Path
     base_dir: Path
     raw_text: str
-
-
-# ---------------------------------------------------------------------------- YAML + lines
-
-
-def compose_yaml(text: str, path: Path | str) -> tuple[Any, dict[PathKey, int]]:
-    """Parse YAML keeping the 1-based line of every key and list item. Refuses, with a
-    line-numbered problem, syntax errors, duplicate keys (YAML would keep the last one
-    silently) and alias bombs (more than MAX_YAML_NODES nodes once aliases expand)."""
-    try:
-        loader = yaml.SafeLoader(text)
-    except yaml.reader.ReaderError as exc:  # a control character (a binary file?)
-        raise ValidationFailed([_reader_problem(exc, text, path)]) from None
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, {}
-        _check_expansion(node, path)
-        problems: list[str] = []
-        lines: dict[PathKey, int] = {(): node.start_mark.line + 1}
-        _walk_lines(node, (), lines, problems, path, set())
-        if problems:
-            raise ValidationFailed(problems)
-        data = loader.construct_document(node)
-    except yaml.constructor.ConstructorError as exc:  # `!!python/object` and other tags
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else 1
-        problem = exc.problem or exc.context or "unsupported value"
-        raise ValidationFailed([f"{path}:{line}: (YAML): not allowed: {problem}"]) from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else 1
-        problem = exc.problem or exc.context or "invalid YAML"
-        raise ValidationFailed([f"{path}:{line}: YAML syntax error: {problem}"]) from None
-    except RecursionError:  # thousands of nested brackets
-        raise ValidationFailed([f"{path}:1: (YAML): nested too deeply"]) from None
-    except yaml.reader.ReaderError as exc:
-        raise ValidationFailed([_reader_problem(exc, text, path)]) from None
-    except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValidationFailed([f"{path}:1: YAML error: {first}"]) from None
-    finally:
-        loader.dispose()
-    return data, lines
-
-
-def _reader_problem(exc: yaml.reader.ReaderError, text: str, path: Path | str) -> str:
-    line = text.count("\n", 0, exc.position) + 1
-    char = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
-    return f"{path}:{line}: (YAML): unacceptable character {char}: {exc.reason}"
-
-
-def parse_yaml_value(text: str, label: str) -> Any:
-    """One value given on the command line (`--set key=VALUE`, `--param k=VALUE`) read as
-    YAML with the same checks as a file: no tags, duplicate keys or alias bombs. A problem
-    is a `UserError` starting with `label`."""
-    try:
-        data, _ = compose_yaml(text, label)
-    except ValidationFailed as exc:
-        problems = [p.replace(f"{label}:1: ", f"{label}: ", 1) for p in exc.problems]
-        raise UserError("\n".join(problems)) from None
-    return data
-
-
-def _check_expansion(root: yaml.Node, path: Path | str) -> None:
-    """Nodes the document has once every alias is expanded, counted per distinct node."""
-    sizes: dict[int, int] = {}
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if id(node) in sizes:
-            continue
-        children = _children(node)
-        if done:
-            total = 1 + sum(sizes[id(c)] for c in children)
-            sizes[id(node)] = total
-            if total > MAX_YAML_NODES:
-                line = node.start_mark.line + 1
-                message = (
-                    f"{path}:{line}: (YAML): aliases expand to more than {MAX_YAML_NODES:,} "
-                    "nodes; refusing to load (an alias bomb?)"
-                )
-                raise ValidationFailed([message])
-            continue
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if id(c) not in sizes)
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
-
-
-def _walk_lines(
-    node: yaml.Node,
-    prefix: PathKey,
-    lines: dict[PathKey, int],
-    problems: list[str],
-    path: Path | str,
-    seen: set[int],
-) -> None:
-    if id(node) in seen:  # an alias of a node already walked: its lines are known
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        first: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
-            line = key_node.start_mark.line + 1
-            here = (*prefix, key)
-            if key in first and key != "<<":
-                problems.append(
-                    f"{path}:{line}: {_dotted(here)}: duplicate key {key!r} "
-                    f"(first given at line {first[key]})"
-                )
-            first.setdefault(key, line)
-            lines.setdefault(here, line)
-            _walk_lines(value_node, here, lines, problems, path, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            here = (*prefix, index)
-            lines.setdefault(here, item.start_mark.line + 1)
-            _walk_lines(item, here, lines, problems, path, seen)
 
 
 # ---------------------------------------------------------------------------- overrides
@@ -299,10 +169,6 @@ def _line_for(path: PathKey, lines: Mapping[PathKey, int]) -> int:
         if path[:cut] in lines:
             return lines[path[:cut]]
     return 1
-
-
-def _dotted(path: PathKey) -> str:
-    return ".".join(str(p) for p in path) or "(top level)"
 
 
 def format_pydantic_errors(

@@ -192,7 +192,7 @@ def load_sweep(path: Path) -> LoadedSweep:
     """Read and validate a sweep file; every problem names the file, line and field path.
     The YAML is read with the hypothesis loader's checks (no tags, duplicate keys or
     alias bombs), and a sweep of more than MAX_SWEEP_POINTS points is refused."""
-    from btb_lab.hypothesis.loader import compose_yaml
+    from btb_lab.yamlio import compose_yaml
 
     path = Path(path)
     if path.is_dir():
