@@ -201,7 +201,7 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def report(
         target: str | None = typer.Argument(
-            None, help="Run directory or hypothesis id (its latest run)."
+            None, help="Run directory or hypothesis id (its newest full run)."
         ),
         all_: bool = typer.Option(False, "--all", help="Re-render every stored run."),
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
@@ -250,7 +250,7 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def compare(
         runs: list[str] = typer.Argument(
-            ..., help="Run directories (or hypothesis ids: their latest run), two or more."
+            ..., help="Run directories (or hypothesis ids: their newest full run), two or more."
         ),
         out: Path | None = typer.Option(
             None, "--out", help="Output folder (default results/compare/<id>/<UTC time>-<id>/)."
