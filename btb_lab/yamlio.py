@@ -88,15 +88,26 @@ def parse_yaml_value(text: str, label: str) -> Any:
 
 
 def _check_expansion(root: yaml.Node, path: Path | str) -> None:
-    """Nodes the document has once every alias is expanded, counted per distinct node."""
+    """Nodes the document has once every alias is expanded, counted per distinct node; a
+    node that contains an alias of itself (`&a [*a]`) expands without end and is refused."""
     sizes: dict[int, int] = {}
+    # nodes whose children are being counted: the ancestors of the node popped next
+    open_nodes: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
         if id(node) in sizes:
             continue
         children = _children(node)
+        if not done and id(node) in open_nodes:
+            line = node.start_mark.line + 1
+            message = (
+                f"{path}:{line}: (YAML): an alias inside the node it names (a recursive "
+                "structure); refusing to load"
+            )
+            raise ValidationFailed([message])
         if done:
+            open_nodes.discard(id(node))
             total = 1 + sum(sizes[id(c)] for c in children)
             sizes[id(node)] = total
             if total > MAX_YAML_NODES:
@@ -107,6 +118,7 @@ def _check_expansion(root: yaml.Node, path: Path | str) -> None:
                 )
                 raise ValidationFailed([message])
             continue
+        open_nodes.add(id(node))
         stack.append((node, True))
         stack.extend((c, False) for c in children if id(c) not in sizes)
 

@@ -64,6 +64,29 @@ def test_alias_bomb_in_a_sweep_file_is_refused(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("where", ["file", "set", "sweep"])
+def test_a_recursive_alias_is_refused_without_hanging(tmp_path: Path, where: str) -> None:
+    """Found by the fuzz test: `&a [*a]` (a list holding itself) made the expansion count
+    loop forever."""
+    path = write_small(tmp_path)
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: hs.yaml\noverrides: &o {notes: *o}\n", encoding="utf-8")
+    args, blamed = {
+        "file": (["validate", path], f"{path}:"),
+        "set": (["run", path, "--dry-run", "--set", "notes=&a [x, *a]"],
+                "--set notes=&a [x, *a]: "),
+        "sweep": (["sweep", sweep, "--dry-run"], f"{sweep}:"),
+    }[where]  # fmt: skip
+    if where == "file":
+        path.write_text(SMALL + "notes: &a [*a]\n", encoding="utf-8")
+    # the hang guard: the expansion count never came back
+    proc = cli_subprocess(*args, cwd=tmp_path, timeout_s=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "(YAML): an alias inside the node it names" in proc.stderr
+    assert blamed in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_shared_anchors_that_expand_little_still_load(tmp_path: Path) -> None:
     base = "  base:\n    router: {policy: least_load}"
     fast = "  fast:\n    router: {policy: round_robin}"
