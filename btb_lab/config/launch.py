@@ -65,10 +65,10 @@ class LaunchSettings(StrictModel):
     )
     metrics_interval_s: float | None = Field(
         None,
-        ge=0.1,
+        ge=MIN_SAMPLE_INTERVAL_S,
         description="Also scrape every instance's /metrics this often during the run "
-        "(start and end are always scraped; at least 0.1 s, each scrape is an HTTP request "
-        "to every instance).",
+        f"(start and end are always scraped; at least {MIN_SAMPLE_INTERVAL_S:g} s, each "
+        "scrape is an HTTP request to every instance).",
     )
     router_cache_blocks: int = Field(
         100_000,

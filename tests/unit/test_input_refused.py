@@ -223,3 +223,16 @@ def test_a_control_character_is_named_with_its_line(tmp_path: Path) -> None:
     path.write_bytes(SMALL.encode().replace(b"repeats: 1", b"repeats: 1\x00"))
     line = SMALL.splitlines().index("repeats: 1") + 1
     refused(cli("validate", path), f"{path}:{line}: (YAML): unacceptable character #x0000")
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0.05, True), (0.01, True), (1e-9, False)])
+def test_metrics_scrape_interval_is_bounded_below(value: float, ok: bool) -> None:
+    from pydantic import ValidationError
+
+    from btb_lab.config.launch import LaunchSettings
+
+    if ok:  # a fast scrape against local fakes is fine
+        assert LaunchSettings(metrics_interval_s=value).metrics_interval_s == value
+    else:  # a busy loop of HTTP requests to every instance is not
+        with pytest.raises(ValidationError, match=r"greater than or equal to 0\.01"):
+            LaunchSettings(metrics_interval_s=value)
