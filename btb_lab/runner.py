@@ -461,9 +461,12 @@ def _finish(
 
 ERROR_FILE = "error-{variant}-r{repeat}.txt"
 RUN_ERROR_FILE = "error.txt"
-# A file of zeros each run directory holds while its run is going (see run_hypothesis).
+# A file of zeros each run directory holds while its run is going (see run_hypothesis):
+# when it is freed, a full disk still has room for the manifest, the parquet files and a
+# report (a small run's plots — timelines, CDFs, utilization — are about 0.3 MB, and each
+# is written to a temporary file first).
 SPACE_RESERVE = ".space-reserve"
-SPACE_RESERVE_BYTES = 256 * 1024
+SPACE_RESERVE_BYTES = 1024 * 1024
 
 
 def _record_failure(run_dir: Path, manifest: Manifest, exc: BaseException) -> None:

@@ -255,8 +255,9 @@ steps = {}
 run_dir = os.path.join(disk, "run")
 if mode == "full":
     free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-    with open(os.path.join(disk, "filler"), "wb") as f:  # leave ~400 KB: the run starts
-        f.write(b"\0" * (free - 400 * 1024))
+    # leave ~1.3 MB: the run starts (manifest + its 1 MB reserve), its records fill the rest
+    with open(os.path.join(disk, "filler"), "wb") as f:
+        f.write(b"\0" * (free - 1300 * 1024))
     steps["run"] = cli("run", sys.argv[4], "--no-progress", "--out", run_dir)
     steps["report_full"] = cli("report", run_dir)
     os.remove(os.path.join(disk, "filler"))

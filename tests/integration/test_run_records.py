@@ -59,7 +59,12 @@ def test_a_workload_that_fails_to_load_leaves_no_run_behind(lab: Path) -> None:
     assert logged.code == 0, logged.output
     text = (lab / "hypotheses" / "LOG.md").read_text(encoding="utf-8")
     assert f"run={manifest(good)['run_id']}" in text
-    assert "INCONCLUSIVE" not in text
+    # the good run's own verdict, never the failed run's "run incomplete" / "run failed"
+    word = json.loads((good / "summary.json").read_text(encoding="utf-8"))["verdict"]["word"]
+    assert f"**Verdict**: **{word}**" in text
+    assert "incomplete run" not in text
+    assert "run incomplete" not in text
+    assert "run failed" not in text
 
 
 def test_a_failure_after_the_run_started_is_recorded_and_skipped(lab: Path, monkeypatch) -> None:
