@@ -67,3 +67,47 @@ def register(app: typer.Typer) -> None:
             for pid, err in outcome.failed.items():
                 typer.echo(f"  {pid}: {err}", err=True)
             raise typer.Exit(1)
+
+    @app.command()
+    def ablate(
+        file: Path = typer.Argument(..., help="Sweep file whose one axis lists the setups."),
+        profile: str = typer.Option(
+            "infer-sim", "--from", help="Fidelity profile to start from (sim.profile)."
+        ),
+        jobs: int = typer.Option(1, "--jobs", "-j", help="Points run in parallel processes."),
+        executor: str | None = typer.Option(None, "--executor", help="local or ray."),
+        out: Path | None = typer.Option(
+            None, "--out", help="Output directory (default results/ablations/<name>/)."
+        ),
+        set_: list[str] = typer.Option(
+            [], "--set", help="KEY=VALUE override for every point (YAML value), repeatable."
+        ),
+    ) -> None:
+        """Assumption waterfall: start from a profile's rules and switch them to btb-lab's
+        causal defaults one at a time, cumulatively; writes the sweep of every step, then
+        waterfall.csv / .md / .png with the headline per setup and step."""
+        import yaml
+
+        from btb_lab.sweep import load_sweep
+        from btb_lab.sweep.ablate import run_ablation
+
+        if executor not in (None, "local", "ray"):
+            raise UserError(f"--executor: {executor!r} is not one of: local, ray")
+        extra: dict[str, object] = {}
+        for item in set_:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise UserError(f"--set {item!r}: expected KEY=VALUE")
+            try:
+                extra[key] = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise UserError(f"--set {item!r}: the value is not valid YAML") from None
+        loaded = load_sweep(file)
+        target = out or Path("results") / "ablations" / loaded.spec.name
+        outputs = run_ablation(
+            file, profile, out=target, jobs=jobs, executor=executor, extra=extra,
+            echo=typer.echo,
+        )  # fmt: skip
+        typer.echo(outputs["waterfall_md"].read_text(encoding="utf-8"))
+        for name, path in outputs.items():
+            typer.echo(f"{name}: {path}")

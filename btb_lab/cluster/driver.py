@@ -38,7 +38,7 @@ __all__ = [
 
 
 def event_loop_name() -> str:
-    """uvloop when installed (it comes with vLLM), else asyncio's own loop."""
+    """uvloop (a dependency of btb-lab on POSIX), else asyncio's own loop."""
     import importlib.util
 
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"

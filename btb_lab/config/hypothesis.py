@@ -32,6 +32,7 @@ from btb_lab.config.limits import (
     MAX_REPEATS,
 )
 from btb_lab.config.metrics import METRICS
+from btb_lab.config.profiles import apply_profile
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.workload import WorkloadSpec
 
@@ -133,6 +134,11 @@ class Variant(StrictModel):
     @classmethod
     def _cost_aliases(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("sim"), dict):
+            if "profile" in data["sim"]:
+                raise ValueError(
+                    "sim.profile is set for the whole hypothesis, not per variant: write "
+                    "the settings this variant changes instead"
+                )
             data = dict(data)
             move_sim_aliases(data)
         return data
@@ -360,14 +366,18 @@ class Hypothesis(StrictModel):
 
     # `sim.<cost parameter>` spellings moved to `costs` while validating (aliases)
     _aliases: list[str] = PrivateAttr(default_factory=list)
+    # settings `sim.profile` supplied (the rest were written out)
+    _profile_set: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="wrap")
     @classmethod
     def _cost_aliases(cls, data: Any, handler: ModelWrapValidatorHandler[Hypothesis]) -> Hypothesis:
         notes: list[str] = []
+        profile_set: list[str] = []
         if isinstance(data, dict):
             data = dict(data)
             notes = move_sim_aliases(data)
+            profile_set = apply_profile(data)
             # `repeats: auto` turns auto_repeats on (its defaults when absent); an explicit
             # count (an override, `--repeats N`) turns it off
             if data.get("repeats") == "auto":
@@ -388,12 +398,18 @@ class Hypothesis(StrictModel):
                 data["variants"] = moved
         hyp = handler(data)
         hyp._aliases = notes
+        hyp._profile_set = profile_set
         return hyp
 
     @field_serializer("repeats")
     def _dump_repeats(self, repeats: int) -> int | str:
         # stored hypotheses (manifests) read back as they were written: `repeats: auto`
         return "auto" if self.auto_repeats is not None else repeats
+
+    @property
+    def profile_settings(self) -> list[str]:
+        """Dotted names whose value came from `sim.profile`, not from the file."""
+        return list(self._profile_set)
 
     @property
     def aliases(self) -> list[str]:

@@ -13,8 +13,14 @@ Choices the seed leaves open, made here and documented:
   source among them): warming tops the warm set up to M, so M is the number of queues a
   burst is spread over. On the seed's 4-instance cluster with M = 4 this equals copying
   to every other instance, as the seed did.
-* Warming happens once per activation. An active prefix expires after `idle_expiry_s`
-  without arrivals; a later burst must be detected again.
+* Warming happens once per activation, unless `recopy` (the seed): then the warm set is
+  topped up to M again at any routing call where it fell below (a holder lost the prefix
+  to eviction). An active prefix expires after `idle_expiry_s` without arrivals; a later
+  burst must be detected again.
+* An active prefix's requests go to the least-loaded instance of the warm set (holders
+  and copy targets: a request may wait there for its copy), or with `route_active:
+  holders` only to instances that hold the whole prefix now (the seed: a copy serves once
+  it has landed).
 * `mode: prefill` is the seed's future-work speculative prefill: targets recompute the
   prefix themselves (source None), so it fires without waiting for a complete copy.
 * Detection keys are a blake2b digest of the prefix block ids, never Python's `hash()`.
@@ -33,8 +39,15 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
-from btb_lab.policies.base import POLICIES, ClusterView, Decision, Policy, WarmAction
-from btb_lab.policies.cache_aware import CacheAwareParams, cache_aware_decision
+from btb_lab.policies.base import (
+    POLICIES,
+    ClusterView,
+    Decision,
+    InstanceLoad,
+    Policy,
+    WarmAction,
+)
+from btb_lab.policies.cache_aware import CacheAwareParams, cache_aware_decision, tie_rng
 from btb_lab.policies.common import least_load, require_params, serving
 from btb_lab.records import EventRecord, Request
 
@@ -78,6 +91,16 @@ class BTBParams(CacheAwareParams):
     idle_expiry_s: float = Field(
         10.0, gt=0, description="An active prefix with no arrival for this long expires."
     )
+    recopy: bool = Field(
+        False,
+        description="Copy again whenever the warm set (holders + copies not yet landed) "
+        "drops below M, e.g. after an eviction (the seed); false: warm once per activation.",
+    )
+    route_active: Literal["warm_set", "holders"] = Field(
+        "warm_set",
+        description="Where an active prefix's requests go: the least-loaded of holders and "
+        "copy targets, or only instances holding the whole prefix now (the seed).",
+    )
 
     @model_validator(mode="after")
     def _one_prefix_length(self) -> BTBParams:
@@ -102,6 +125,7 @@ class _Active:
     last_s: float
     warmed: bool = False
     targets: set[int] = field(default_factory=set)
+    landed: set[int] = field(default_factory=set)  # targets seen holding the prefix
 
 
 @POLICIES.register("btb", aliases=("early_rdma",))
@@ -115,6 +139,7 @@ class BTB(Policy):
     def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
         super().__init__(params, seed=seed)
         self.cfg = require_params(params, BTBParams)
+        self.rng = tie_rng(self.cfg, seed)
         self._arrivals: dict[bytes, deque[float]] = {}
         self._active: dict[bytes, _Active] = {}
         self._next_sweep_s = -math.inf
@@ -136,7 +161,7 @@ class BTB(Policy):
         self._sweep(now_s)
         y = self.prefix_len_blocks(request)
         if len(request.block_hashes) < y:
-            return cache_aware_decision(request, view, self.cfg)
+            return cache_aware_decision(request, view, self.cfg, self.rng)
         prefix = request.block_hashes[:y]
         key = prefix_key(prefix)
         active = self._active.get(key)
@@ -145,7 +170,7 @@ class BTB(Policy):
             active = None
         if active is None:
             if not self._burst_fired(key, now_s):
-                return cache_aware_decision(request, view, self.cfg)
+                return cache_aware_decision(request, view, self.cfg, self.rng)
             active = _Active(last_s=now_s)
             self._active[key] = active
             self.fired += 1
@@ -181,27 +206,36 @@ class BTB(Policy):
     ) -> Decision:
         y = len(prefix)
         candidates = serving(view)
-        holders = {
-            inst.index
-            for inst in candidates
-            if view.match_blocks(inst.index, prefix) >= y
-            or view.complete_blocks(inst.index, prefix) >= y
-        }
+        if self.cfg.route_active == "holders":  # a whole resident copy, nothing else
+            holders = {
+                inst.index for inst in candidates if view.complete_blocks(inst.index, prefix) >= y
+            }
+        else:
+            holders = {
+                inst.index
+                for inst in candidates
+                if view.match_blocks(inst.index, prefix) >= y
+                or view.complete_blocks(inst.index, prefix) >= y
+            }
         actions: tuple[WarmAction, ...] = ()
-        if not active.warmed:
+        if self.cfg.recopy:
+            # a target seen holding the prefix has landed; one that lost it counts no more
+            active.landed |= active.targets & holders
+            active.targets -= active.landed - holders
+            active.landed &= holders
+        planned = active.targets - holders
+        if not active.warmed or (self.cfg.recopy and len(holders | planned) < self.cfg.replicas):
             source: int | None = None
             if self.cfg.mode == "rdma":
                 complete = [
                     inst for inst in candidates if view.complete_blocks(inst.index, prefix) >= y
                 ]
                 if not complete:  # nothing to copy from yet: plain cache-aware
-                    return cache_aware_decision(request, view, self.cfg)
-                source = least_load(complete).index
-            wanted = max(0, self.cfg.replicas - len(holders))
-            lacking = sorted(
-                (inst for inst in candidates if inst.index not in holders),
-                key=lambda inst: (inst.load, inst.index),
-            )
+                    return cache_aware_decision(request, view, self.cfg, self.rng)
+                source = least_load(complete, self.rng).index
+            members = holders | planned
+            wanted = max(0, self.cfg.replicas - len(members))
+            lacking = self._by_load([inst for inst in candidates if inst.index not in members])
             targets = [inst.index for inst in lacking[:wanted]]
             actions = tuple(
                 WarmAction(source=source, target=t, n_blocks=y, mode=self.cfg.mode) for t in targets
@@ -209,12 +243,21 @@ class BTB(Policy):
             active.targets.update(targets)
             active.warmed = True
             self.warm_actions += len(actions)
-        warm = holders | active.targets
+        warm = holders if self.cfg.route_active == "holders" else holders | active.targets
         warm_instances = [inst for inst in candidates if inst.index in warm]
-        if not warm_instances:  # the warm set left the cluster: route as cache_aware
-            return cache_aware_decision(request, view, self.cfg)
-        chosen = least_load(warm_instances)
+        if not warm_instances:  # no holder yet, or the warm set left: route as cache_aware
+            decision = cache_aware_decision(request, view, self.cfg, self.rng)
+            return Decision(instance=decision.instance, route=decision.route, warm=actions)
+        chosen = least_load(warm_instances, self.rng)
         return Decision(instance=chosen.index, route=ROUTE_WARM_HIT, warm=actions)
+
+    def _by_load(self, instances: list[InstanceLoad]) -> list[InstanceLoad]:
+        """Copy targets in order of load; equal loads by index, or shuffled by the tie
+        stream (`tie_break: random`)."""
+        if self.rng is None:
+            return sorted(instances, key=lambda inst: (inst.load, inst.index))
+        keyed = [(inst.load, self.rng.random(), inst) for inst in instances]
+        return [inst for _, _, inst in sorted(keyed, key=lambda k: (k[0], k[1]))]
 
     def _sweep(self, now_s: float) -> None:
         """Forget stale detector state so memory tracks the live window, not the trace."""

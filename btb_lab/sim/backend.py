@@ -90,13 +90,74 @@ def fidelity_facts(
                 if settings.kv_prefix_sharing
                 else "input+output tokens per admitted request (no preemption)"
             ),
-            "prefix_cache": "HBM not reserved or pinned by admitted requests, LRU to host RAM"
+            "prefix_cache": (
+                "the whole KV budget, regardless of reservations (counted twice)"
+                if settings.prefix_cache_budget == "whole"
+                else "HBM not reserved or pinned by admitted requests"
+            )
+            + (", LRU to host RAM" if settings.host_ram_tier else "")
+            + (" (unbounded)" if settings.host_ram_tier and settings.host_ram_bytes is None else "")
             + (", then disk (shared, unbounded)" if settings.disk_tier else ""),
-            "decode_steps": "output_tokens - 1 after the prefill's first token",
+            "decode_steps": (
+                "output_tokens from context = input (a 1-token request decodes once)"
+                if settings.decode_steps == "output_tokens"
+                else "output_tokens - 1 after the prefill's first token"
+            ),
+            "window_replay": (
+                "each trace window on a fresh, empty cluster, results pooled"
+                if settings.window_replay == "fresh"
+                else "windows one after another on one cluster"
+            ),
             "rdma_link": "transfers into one instance share its RDMA link (serialized)",
         }
     )
     return facts
+
+
+def windows_of(requests: Sequence[Request]) -> list[list[Request]]:
+    """The trace windows (trace_ids) of `requests`, in order of first appearance."""
+    groups: dict[str, list[Request]] = {}
+    for request in requests:
+        groups.setdefault(request.trace_id, []).append(request)
+    return list(groups.values())
+
+
+def run_replay(
+    costs: RooflineCostModel,
+    settings: SimSettings,
+    make_policy: Callable[[], Policy],
+    requests: Sequence[Request],
+    emit: Callable[[RequestRecord], None],
+    *,
+    variant: str = "",
+    repeat: int = 0,
+) -> tuple[list[UtilSample], dict[str, float], list[Policy]]:
+    """Run `requests` as `sim.window_replay` says: on one engine (continuous), or each
+    trace window on a fresh engine with a freshly built (re-seeded) policy (fresh). A
+    fresh window's utilization is kept from its first arrival to the next window's."""
+    if settings.window_replay == "continuous":
+        policy = make_policy()
+        util, stats, _ = run_engine(
+            costs, settings, policy, requests, emit, variant=variant, repeat=repeat
+        )
+        return util, stats, [policy]
+    windows = windows_of(requests)
+    util_all: list[UtilSample] = []
+    totals: dict[str, float] = {}
+    policies: list[Policy] = []
+    for n, window in enumerate(windows):
+        policy = make_policy()
+        policies.append(policy)
+        util, stats, _ = run_engine(
+            costs, settings, policy, window, emit, variant=variant, repeat=repeat
+        )
+        start_s = window[0].arrival_s
+        end_s = windows[n + 1][0].arrival_s if n + 1 < len(windows) else float("inf")
+        util_all.extend(u for u in util if u.time_s <= end_s and (n == 0 or u.time_s > start_s))
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0) + value
+    totals["windows"] = len(windows)
+    return util_all, totals, policies
 
 
 def run_engine(
@@ -143,15 +204,15 @@ def simulate(
         raise UserError(f"variant {variant_name!r}: sim overrides are invalid: {exc}") from None
     costs = build_cost_model(resolved)
     router = hypothesis.variants[variant_name].router
-    policy = build_policy(router.policy, router.params, seed=seed)
     records: list[RequestRecord] = []
-    util, stats, _ = run_engine(
-        costs, resolved.sim, policy, requests, records.append, variant=variant_name,
-        repeat=repeat,
+    util, stats, policies = run_replay(
+        costs, resolved.sim, lambda: build_policy(router.policy, router.params, seed=seed),
+        requests, records.append, variant=variant_name, repeat=repeat,
     )  # fmt: skip
     fidelity = fidelity_facts(
-        resolved.sim, costs, policy, _block_tokens(requests), resolved.cluster.kv_connector.type
-    )
+        resolved.sim, costs, policies[0], _block_tokens(requests),
+        resolved.cluster.kv_connector.type,
+    )  # fmt: skip
     fidelity["stats"] = stats
     return records, util, fidelity
 
@@ -195,9 +256,14 @@ class SimBackend:
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
         hyp = ctx.hypothesis
-        policy = build_policy(ctx.variant.router.policy, ctx.variant.router.params, seed=ctx.seed)
+        router = ctx.variant.router
         log = EventLog("policy")
-        tap_warm_decisions(policy, log)
+
+        def make_policy() -> Policy:
+            policy = build_policy(router.policy, router.params, seed=ctx.seed)
+            tap_warm_decisions(policy, log)
+            return policy
+
         total = len(requests)
         buffer: list[RequestRecord] = []
         done = 0
@@ -212,8 +278,8 @@ class SimBackend:
                 buffer.clear()
                 ctx.progress(done, total)
 
-        util, stats, _ = run_engine(
-            ctx.costs, hyp.sim, policy, requests, emit, variant=ctx.variant_name,
+        util, stats, policies = run_replay(
+            ctx.costs, hyp.sim, make_policy, requests, emit, variant=ctx.variant_name,
             repeat=ctx.repeat,
         )  # fmt: skip
         if buffer:
@@ -222,9 +288,10 @@ class SimBackend:
             buffer.clear()
         ctx.progress(done, total)
         fidelity = fidelity_facts(
-            hyp.sim, ctx.costs, policy, _block_tokens(requests), hyp.cluster.kv_connector.type
+            hyp.sim, ctx.costs, policies[0], _block_tokens(requests), hyp.cluster.kv_connector.type
         )
-        log.extend(policy.events)
+        for policy in policies:
+            log.extend(policy.events)
         return BackendResult(
             utilization=util,
             events=log.records(),

@@ -42,6 +42,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -102,8 +103,11 @@ class WarmLogEntry:
 
 class _Job:
     __slots__ = (
+        "admit_s",
         "block_tokens",
         "cold",
+        "copy_s",
+        "ctx_off",
         "decode_inst",
         "enq_s",
         "hashes",
@@ -116,6 +120,7 @@ class _Job:
         "prefill_start_s",
         "rec",
         "req",
+        "run_s",
         "warm_tokens",
     )
 
@@ -135,6 +140,10 @@ class _Job:
         self.prefill_inst = -1
         self.prefill_start_s = 0.0
         self.warm_tokens = 0
+        self.admit_s = -1.0  # admission: all_that_fit: when admitted (its prefill waits)
+        self.run_s = 0.0  # admission: all_that_fit: its prefill's (or copy's) duration
+        self.copy_s = -1.0  # a warm copy on the target's compute queue: its duration
+        self.ctx_off = 0  # context tokens this sequence adds to ctx_base while decoding
 
 
 class _Warm:
@@ -150,6 +159,7 @@ class _Inst:
     """Runtime state of one instance (its static shape is `spec`)."""
 
     __slots__ = (
+        "admitted",
         "busy_bins",
         "busy_since",
         "cap_tokens",
@@ -197,6 +207,8 @@ class _Inst:
         self.index = spec.index
         self.name = spec.name
         self.waiting: deque[_Job] = deque()
+        # admission: all_that_fit: admitted (KV reserved), prefill not started yet
+        self.admitted: deque[_Job] = deque()
         self.phase = PHASE_IDLE
         self.seg_start = 0.0
         self.seg_steps = 0
@@ -220,9 +232,12 @@ class _Inst:
         self.shared_dup_tokens = 0
         self.ram: OrderedDict[int, None] = OrderedDict()
         kvb = spec.kv_bytes_per_token
-        self.ram_cap_blocks = (
-            int(settings.host_ram_bytes // (kvb * block_tokens)) if settings.host_ram_tier else 0
-        )
+        if not settings.host_ram_tier:
+            self.ram_cap_blocks = 0
+        elif settings.host_ram_bytes is None:
+            self.ram_cap_blocks = sys.maxsize  # unbounded
+        else:
+            self.ram_cap_blocks = int(settings.host_ram_bytes // (kvb * block_tokens))
         self.pending: dict[int, float] = {}
         self.link_free_s = 0.0
         self.routed: OrderedDict[int, None] = OrderedDict()
@@ -255,7 +270,7 @@ def _lead(cache: dict[int, Any] | OrderedDict[int, None], hashes: Sequence[int])
 class _View:
     """The `ClusterView` a policy sees; attributes are updated in place as the run goes."""
 
-    __slots__ = ("_hbm", "_known", "costs", "instances", "now_s")
+    __slots__ = ("_hbm", "_known", "_ram", "costs", "instances", "now_s")
 
     def __init__(self, engine: Engine) -> None:
         self.now_s = 0.0
@@ -264,9 +279,20 @@ class _View:
         # the cache objects live as long as the run, so the view can hold them directly
         self._hbm = [i.hbm for i in engine.insts]
         self._known = [i.routed for i in engine.insts] if engine.view_routed else self._hbm
+        # router_match_tiers hbm_ram: a resident match also counts host RAM
+        both = not engine.view_routed and engine.settings.router_match_tiers == "hbm_ram"
+        self._ram = [i.ram for i in engine.insts] if both else None
 
     def match_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
         cache = self._known[instance]
+        if self._ram is not None:
+            ram = self._ram[instance]
+            n = 0
+            for h in block_hashes:
+                if h not in cache and h not in ram:
+                    return n
+                n += 1
+            return n
         n = 0
         for h in block_hashes:
             if h not in cache:
@@ -315,6 +341,12 @@ class Engine:
         self.sharing = settings.kv_prefix_sharing
         self.shared_attn = settings.shared_prefix_attention and self.sharing
         self.max_batch = settings.max_batch
+        self.seed_decode = settings.decode_steps == "output_tokens"
+        self.cache_whole = settings.prefix_cache_budget == "whole"
+        self.output_blocks = settings.output_blocks_cached
+        self.copy_blocks = settings.warm_copy_blocks_target
+        self.batch_admit = settings.admission == "all_that_fit"
+        self.next_output_block = -1  # synthetic output-block ids count down from -1
         self.setup_s = costs.transfer_setup_s
         self.dt = settings.sample_interval_s
         self.insts = [
@@ -402,7 +434,8 @@ class Engine:
             bt = self.block_tokens
             if inst.reserved > inst.cap_tokens:
                 raise SimInvariantError(f"{inst.name}: reserved KV above budget")
-            if len(inst.hbm) * bt > inst.cap_tokens - inst.reserved:
+            cache_cap = inst.cap_tokens if self.cache_whole else inst.cap_tokens - inst.reserved
+            if len(inst.hbm) * bt > cache_cap:
                 raise SimInvariantError(f"{inst.name}: HBM cache above its budget")
             if len(inst.pins) * bt + inst.reserved > inst.cap_tokens:
                 raise SimInvariantError(f"{inst.name}: pinned + reserved KV above budget")
@@ -523,6 +556,13 @@ class Engine:
             inst.waiting.append(job)
         inst.load.waiting += 1
         phase = inst.phase
+        if self.batch_admit:
+            self._admit_all(inst)
+            if phase == PHASE_IDLE:
+                self._step(inst)
+            elif phase == PHASE_DECODE and inst.admitted:
+                self._cut_segment(inst)
+            return
         if phase == PHASE_IDLE:
             self._step(inst)
         elif phase == PHASE_DECODE and self._admissible(inst, inst.waiting[0]):
@@ -571,6 +611,17 @@ class Engine:
         copy = hashes[:n_copy]
         bw = min(source.spec.rdma_bw, target.spec.rdma_bw)
         nbytes = n_copy * req.block_tokens * target.spec.kv_bytes_per_token
+        if self.copy_blocks:
+            # on the target's compute queue, ahead of waiting work; lands when it ends
+            job = _Job(JOB_WARM, None, None)
+            job.hashes = copy
+            job.block_tokens = req.block_tokens
+            job.warm_tokens = n_copy * req.block_tokens
+            job.copy_s = self.setup_s + nbytes / bw
+            self.stats["warm_copies"] += 1
+            self.stats["warm_bytes"] += nbytes
+            self._enqueue(target, job, front=True)
+            return
         start = max(now, ready, target.link_free_s)
         done = start + self.setup_s + nbytes / bw
         target.link_free_s = done
@@ -592,7 +643,10 @@ class Engine:
     def _fit_hbm(self, inst: _Inst) -> None:
         """Evict least recently used blocks to host RAM (then disk) until the HBM cache fits
         in the KV budget not reserved by admitted requests."""
-        allowed = (inst.cap_tokens - inst.reserved) // self.block_tokens
+        if self.cache_whole:
+            allowed = inst.cap_tokens // self.block_tokens
+        else:
+            allowed = (inst.cap_tokens - inst.reserved) // self.block_tokens
         hbm = inst.hbm
         if len(hbm) <= allowed:
             return
@@ -722,9 +776,53 @@ class Engine:
             n += 1
         return need - n * self.block_tokens
 
+    def _admit_all(self, inst: _Inst) -> None:
+        """admission: all_that_fit: admit every waiting job that fits, in order, stopping at
+        the first that does not (head-of-line): its KV is reserved (and visible under
+        at_admission) now; its prefill runs when the instance gets to it."""
+        waiting = inst.waiting
+        now = self.now
+        while waiting:
+            job = waiting[0]
+            if job.need > inst.cap_tokens:
+                waiting.popleft()
+                inst.load.waiting -= 1
+                self._fail(
+                    inst, job, f"needs {job.need} KV tokens; {inst.name} holds {inst.cap_tokens}"
+                )
+                continue
+            if not self._admissible(inst, job):
+                return
+            waiting.popleft()
+            inst.load.waiting -= 1
+            if job.kind == JOB_KV:
+                self._admit_kv(inst, job)
+                continue
+            job.admit_s = now
+            self._start_prefill(inst, job)
+            inst.admitted.append(job)
+
+    def _run_admitted(self, inst: _Inst) -> None:
+        """Start the oldest admitted job's prefill (or warm copy)."""
+        job = inst.admitted.popleft()
+        now = self.now
+        wait = now - job.admit_s
+        job.prefill_start_s = now
+        if job.rec is not None:
+            job.rec.queue_s += wait
+        inst.phase = PHASE_PREFILL
+        self._push(now + job.run_s, PRI_PREFILL, EV_PREFILL, inst.index, job)
+
     def _kick(self, inst: _Inst) -> None:
         """Something changed on `inst`: start work if idle, or cut the current decode
         segment at the next step boundary when an admission is waiting (prefill priority)."""
+        if self.batch_admit:
+            self._admit_all(inst)
+            if inst.phase == PHASE_IDLE:
+                self._step(inst)
+            elif inst.phase == PHASE_DECODE and inst.admitted:
+                self._cut_segment(inst)
+            return
         phase = inst.phase
         if phase == PHASE_IDLE:
             self._step(inst)
@@ -771,6 +869,14 @@ class Engine:
         was_idle = inst.phase == PHASE_IDLE
         sharing = self.sharing
         bt = self.block_tokens
+        if self.batch_admit:
+            self._admit_all(inst)
+            if inst.admitted:
+                if was_idle:
+                    inst.busy_since = now
+                self._run_admitted(inst)
+                return
+            waiting = deque()  # nothing more fits: decode what runs
         while waiting:
             job = waiting[0]
             if job.need > inst.cap_tokens:
@@ -846,6 +952,8 @@ class Engine:
         rec = job.rec
         if job.kind == JOB_WARM:
             tokens = job.warm_tokens
+            if job.copy_s >= 0:
+                return self._start_copy(inst, job)
         else:
             assert job.req is not None
             tokens = job.req.input_tokens
@@ -919,6 +1027,8 @@ class Engine:
                         ram.pop(h, None)
         prefill_s = (tokens - cached) * p_tok
         dur = load_s + prefill_s
+        if self.batch_admit:
+            job.run_s = dur  # the prefill runs when _run_admitted gets to it
         done = now + dur
         if job.kind != JOB_WARM:
             inst.n_seqs += 1
@@ -941,6 +1051,8 @@ class Engine:
                 self._insert_pinned(inst, job)
         elif hashes and not self.after_prefill:
             self._insert(inst, hashes, fit=False)
+        if self.output_blocks and job.kind != JOB_WARM:
+            self._insert_output_blocks(inst, job)
         self._reserve(inst, job.need)
         if hashes and self.after_prefill:
             pending = inst.pending
@@ -948,10 +1060,35 @@ class Engine:
             for h in hashes[n_use:]:
                 if h not in hbm:
                     pending[h] = done
+        if self.batch_admit:
+            return True
         inst.phase = PHASE_PREFILL
         self.seq += 1
         heapq.heappush(self.heap, (done, PRI_PREFILL, self.seq, EV_PREFILL, inst.index, job))
         return True
+
+    def _start_copy(self, inst: _Inst, job: _Job) -> bool:
+        """A warm copy occupying `inst`'s compute (warm_copy_blocks_target)."""
+        if self.batch_admit:
+            job.run_s = job.copy_s
+            return True  # _run_admitted starts it
+        job.prefill_start_s = self.now
+        inst.phase = PHASE_PREFILL
+        self._push(self.now + job.copy_s, PRI_PREFILL, EV_PREFILL, inst.index, job)
+        return True
+
+    def _insert_output_blocks(self, inst: _Inst, job: _Job) -> None:
+        """output_blocks_cached: the blocks a request's output will fill enter the HBM
+        cache at admission, each with its own (negative) id, so they take cache space."""
+        req = job.req
+        assert req is not None
+        bt = self.block_tokens
+        n = -(-(req.input_tokens + req.output_tokens) // bt) - len(job.hashes)
+        if n <= 0:
+            return
+        first = self.next_output_block
+        self.next_output_block = first - n
+        self._insert(inst, range(first, first - n, -1), fit=False)
 
     def _admit_kv(self, inst: _Inst, job: _Job) -> None:
         """Decode side of a prefill offload: the KV is here, the request joins the batch
@@ -979,14 +1116,20 @@ class Engine:
     def _begin_decode(self, inst: _Inst, job: _Job) -> None:
         req = job.req
         assert req is not None
-        left = req.output_tokens - 1
+        if self.seed_decode:  # output_tokens steps from context = input
+            left = req.output_tokens
+            first_ctx = req.input_tokens
+        else:  # the prefill produced the first token
+            left = req.output_tokens - 1
+            first_ctx = req.input_tokens + 1
         if left <= 0:
             self._finish(inst, job)
             return
         start = inst.steps_done
         inst.run_seq += 1
         heapq.heappush(inst.run_heap, (start + left, inst.run_seq, job))
-        inst.ctx_base += req.input_tokens + 1 - start
+        job.ctx_off = first_ctx - start
+        inst.ctx_base += job.ctx_off
         if self.shared_attn and job.n_pin:
             inst.ctx_base -= self._join_shared(inst, job, req.input_tokens)
 
@@ -1030,7 +1173,9 @@ class Engine:
     def _on_prefill(self, index: int, job: _Job) -> None:
         inst = self.insts[index]
         kind = job.kind
-        if self.after_prefill and job.hashes:
+        if job.copy_s >= 0:
+            self._insert(inst, job.hashes)
+        elif self.after_prefill and job.hashes:
             if self.sharing and kind != JOB_WARM:
                 # its own blocks are resident now: move them from reserved to pinned
                 before = job.need
@@ -1109,10 +1254,8 @@ class Engine:
         done = inst.steps_done
         run_heap = inst.run_heap
         while run_heap and run_heap[0][0] <= done:
-            end_step, _, job = heapq.heappop(run_heap)
-            req = job.req
-            assert req is not None
-            inst.ctx_base -= req.input_tokens + 1 - (end_step - (req.output_tokens - 1))
+            job = heapq.heappop(run_heap)[2]
+            inst.ctx_base -= job.ctx_off
             if job.n_shared:
                 inst.ctx_base += self._leave_shared(inst, job)
             self._finish(inst, job)

@@ -42,6 +42,18 @@ def _known_metric(name: str) -> str:
 MetricName = Annotated[str, AfterValidator(_known_metric)]
 
 
+class ReferenceSpec(StrictModel):
+    """Figures from elsewhere (a paper's table) keyed by one label column's values: the
+    table gains the reference column, `<column>_gap_pp` (the table's value minus the
+    reference) and `<column>_within` (|gap| ≤ tolerance)."""
+
+    axis: str = Field(description="Label column whose values key `values` (an axis name).")
+    column: str = Field(description="Table column (after `rename`) compared to the figures.")
+    name: str = Field("published_pct", description="Name of the reference column.")
+    values: dict[str, float] = Field(description="Label → reference figure.")
+    tolerance: float = Field(2.0, ge=0, description="Largest |gap| that counts as reproduced.")
+
+
 class TableSpec(StrictModel):
     """What the sweep's table and plot show."""
 
@@ -71,6 +83,14 @@ class TableSpec(StrictModel):
     )
     plot_metric: MetricName | None = Field(
         None, description="Metric drawn in plot.png; default: the first of `metrics`."
+    )
+    rename: dict[str, str] = Field(
+        default_factory=dict,
+        description="Table column → the name it gets in table.csv / table.md (e.g. "
+        "`ttft_mean reduction % (btb vs cache_aware)` → `btb_reduction_pct`).",
+    )
+    reference: ReferenceSpec | None = Field(
+        None, description="Published figures to set beside a column, with their gaps."
     )
 
 
@@ -135,6 +155,19 @@ class SweepSpec(StrictModel):
             raise ValueError(f"names used both as axis and grid path: {sorted(clash)}")
         if "point" in self.axes or "point" in self.grid:
             raise ValueError("'point' is reserved for the points list's column")
+        ref = self.table.reference
+        if ref is not None:
+            if ref.axis not in self.axes:
+                raise ValueError(
+                    f"table.reference.axis {ref.axis!r} is not an axis; axes: "
+                    + (", ".join(self.axes) or "none")
+                )
+            unknown = sorted(set(ref.values) - set(self.axes[ref.axis]))
+            if unknown:
+                raise ValueError(
+                    f"table.reference.values: {', '.join(unknown)} not choices of axis "
+                    f"{ref.axis!r} ({', '.join(self.axes[ref.axis])})"
+                )
         return self
 
 
