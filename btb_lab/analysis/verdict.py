@@ -440,11 +440,12 @@ def evaluate_verdict(
     variants: Sequence[str],
     seed: int,
     failed: Sequence[str] = (),
-    incomplete: bool = False,
+    incomplete: bool | str = False,
 ) -> Verdict:
     """Compare every non-baseline variant with the baseline (the family adjusted for
     multiplicity); the strongest result among them is the hypothesis's verdict
-    (INCONCLUSIVE when the run is incomplete)."""
+    (INCONCLUSIVE when the run is incomplete; a string `incomplete` says why, e.g.
+    "run failed: …")."""
     others = [v for v in variants if v != baseline]
     failed_set = set(failed)
     if not others:
@@ -469,7 +470,8 @@ def evaluate_verdict(
         done = sorted(set(records["variant"].unique()) if len(records) else set())
         return Verdict(
             word=INCONCLUSIVE,
-            reason="run incomplete (interrupted); variants with records: "
+            reason=(incomplete if isinstance(incomplete, str) else "run incomplete (interrupted)")
+            + "; variants with records: "
             + (", ".join(done) or "none"),
             variants=results,
         )

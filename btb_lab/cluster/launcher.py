@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from btb_lab.errors import UserError
@@ -383,21 +382,14 @@ atexit.register(stop_all_live)
 
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so teardown and
-    the runner's partial-results handling run exactly as for Ctrl-C. A no-op off the main
-    thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    """While active, SIGTERM raises `btb_lab.interrupts.Terminated` (a KeyboardInterrupt)
+    in the main thread, so teardown and the runner's partial-results handling run exactly
+    as for Ctrl-C, and the command still exits 143 as for SIGTERM anywhere else. A no-op
+    off the main thread."""
+    from btb_lab.interrupts import terminate_interrupts
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
+    with terminate_interrupts():
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass

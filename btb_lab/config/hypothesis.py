@@ -9,6 +9,7 @@ loader (`btb_lab.hypothesis.loader`), which imports those registries.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Any, Literal
 
 from pydantic import (
@@ -24,6 +25,12 @@ from pydantic import (
 from btb_lab.config.base import StrictModel
 from btb_lab.config.costs import CostSettings, move_sim_aliases
 from btb_lab.config.launch import LaunchSettings
+from btb_lab.config.limits import (
+    MAX_BOOTSTRAP_SAMPLES,
+    MAX_GPUS_PER_INSTANCE,
+    MAX_INSTANCES,
+    MAX_REPEATS,
+)
 from btb_lab.config.metrics import METRICS
 from btb_lab.config.profiles import apply_profile
 from btb_lab.config.sim import SimSettings
@@ -67,9 +74,21 @@ class InstanceGroup(StrictModel):
     role: Literal["C", "PS"] = Field(
         "C", description="C: co-located prefill+decode; PS: prefill service."
     )
-    count: int = Field(1, ge=1, description="Instances of this role.")
+    count: int = Field(
+        1,
+        ge=1,
+        le=MAX_INSTANCES,
+        description=f"Instances of this role (at most {MAX_INSTANCES:,}: the simulator keeps "
+        "caches and utilization bins per instance).",
+    )
     gpu: str = Field("H100", description="GPU preset (A100, H100, H200, B200, B300, MI300X).")
-    gpus: int = Field(1, ge=1, description="GPUs per instance (tensor-parallel size).")
+    gpus: int = Field(
+        1,
+        ge=1,
+        le=MAX_GPUS_PER_INSTANCE,
+        description=f"GPUs per instance (tensor-parallel size; at most {MAX_GPUS_PER_INSTANCE:,}"
+        ", an NVL72 rack is 72).",
+    )
 
 
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
@@ -187,6 +206,15 @@ class Condition(StrictModel):
             raise ValueError(f"{field} is text: use '==' or '!=' (got {op!r})")
         return op
 
+    @field_validator("value", mode="before")
+    @classmethod
+    def _finite_value(cls, value: Any) -> Any:
+        # One message instead of the union's two ("finite number", "valid string"): a NaN
+        # or infinite threshold would silently match no request.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
+
     @field_validator("value")
     @classmethod
     def _value_fits_field(cls, value: float | str, info: ValidationInfo) -> float | str:
@@ -279,7 +307,13 @@ class VerdictRule(StrictModel):
         "for others is PARTIALLY VALIDATED.",
     )
     confidence: float = Field(0.95, gt=0, lt=1, description="Bootstrap interval level.")
-    bootstrap_samples: int = Field(1000, ge=100, description="Bootstrap resamples.")
+    bootstrap_samples: int = Field(
+        1000,
+        ge=100,
+        le=MAX_BOOTSTRAP_SAMPLES,
+        description=f"Bootstrap resamples (at most {MAX_BOOTSTRAP_SAMPLES:,}: 10,000 already "
+        "gives a stable interval and each resample recomputes the metric).",
+    )
     min_ok_requests: int = Field(
         20, ge=1, description="Fewer successful requests per variant → INCONCLUSIVE."
     )
@@ -297,8 +331,13 @@ class VerdictRule(StrictModel):
 class AutoRepeats(StrictModel):
     """`repeats: auto`: add repeats until every primary interval is tight enough."""
 
-    min: int = Field(3, ge=2, description="Repeats run before the first check.")
-    max: int = Field(20, ge=2, description="Never more repeats than this.")
+    min: int = Field(3, ge=2, le=MAX_REPEATS, description="Repeats run before the first check.")
+    max: int = Field(
+        20,
+        ge=2,
+        le=MAX_REPEATS,
+        description=f"Never more repeats than this (at most {MAX_REPEATS:,}).",
+    )
     half_width: float | None = Field(
         None,
         gt=0,
@@ -352,8 +391,10 @@ class Hypothesis(StrictModel):
     repeats: int = Field(
         1,
         ge=1,
-        description="Repeats of every variant (each draws a new workload seed); `auto` "
-        "runs `auto_repeats.min` and adds repeats until the intervals are tight.",
+        le=MAX_REPEATS,
+        description=f"Repeats of every variant (at most {MAX_REPEATS:,}; each is a full run "
+        "and draws a new workload seed); `auto` runs `auto_repeats.min` and adds repeats "
+        "until the intervals are tight.",
     )
     auto_repeats: AutoRepeats | None = Field(
         None,

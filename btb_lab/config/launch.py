@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MIN_SAMPLE_INTERVAL_S
 
 __all__ = ["LaunchSettings", "RaySettings"]
 
@@ -108,13 +109,17 @@ class LaunchSettings(StrictModel):
         "model's config.json vocab_size when it is a local folder, else 32000.",
     )
     telemetry_interval_s: float = Field(
-        0.1, gt=0, description="Utilization sampling period (NVML or psutil); 0.1 = 10 Hz."
+        0.1,
+        ge=MIN_SAMPLE_INTERVAL_S,
+        description="Utilization sampling period (NVML or psutil); 0.1 = 10 Hz (at least "
+        f"{MIN_SAMPLE_INTERVAL_S:g} s: NVML itself updates utilization no faster).",
     )
     metrics_interval_s: float | None = Field(
         None,
-        gt=0,
+        ge=MIN_SAMPLE_INTERVAL_S,
         description="Also scrape every instance's /metrics this often during the run "
-        "(start and end are always scraped).",
+        f"(start and end are always scraped; at least {MIN_SAMPLE_INTERVAL_S:g} s, each "
+        "scrape is an HTTP request to every instance).",
     )
     router_cache_blocks: int = Field(
         100_000,

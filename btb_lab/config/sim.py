@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MIN_SAMPLE_INTERVAL_S
 
 __all__ = ["SimSettings"]
 
@@ -117,7 +118,11 @@ class SimSettings(StrictModel):
         "link beside its compute.",
     )
     sample_interval_s: float = Field(
-        1.0, gt=0, description="Utilization sampling period on the simulated clock."
+        1.0,
+        ge=MIN_SAMPLE_INTERVAL_S,
+        description="Utilization sampling period on the simulated clock (at least "
+        f"{MIN_SAMPLE_INTERVAL_S:g} s, ten times finer than the real cluster's 10 Hz; one "
+        "sample per instance per period is kept in memory).",
     )
 
     @model_validator(mode="after")

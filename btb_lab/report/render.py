@@ -19,7 +19,7 @@ from btb_lab.analysis.scopes import measured_window
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
-from btb_lab.results import RunEntry
+from btb_lab.results import RunEntry, write_atomic
 
 __all__ = [
     "build_report",
@@ -528,5 +528,5 @@ def build_report(run_dir: Path) -> AnalyzedRun:
         list(run.summary.variants), [r.name for r in run.hypothesis.classes],
         all_records=run.all_records, events=timeline, excluded=_excluded_spans(run),
     )  # fmt: skip
-    (run_dir / "report.md").write_text(render_template("report.md.j2", context), encoding="utf-8")
+    write_atomic(run_dir / "report.md", render_template("report.md.j2", context))
     return run

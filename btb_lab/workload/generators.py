@@ -4,6 +4,10 @@ Each generator has a strict pydantic Params model (unknown params are errors) an
 function `(params, ctx) -> list[Request]` that draws only from `numpy.random.default_rng
 (ctx.seed)`; same seed, same requests. Arrival times are seconds within the window; the
 loader applies `time_scale` and lays windows end to end.
+
+Counts and token lengths are bounded (`config.limits`): a generator whose parameters
+would make more than MAX_REQUESTS requests, or prompts longer than MAX_TOKENS, is refused
+while validating instead of exhausting memory while generating.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MAX_REQUESTS, MAX_TOKENS
 from btb_lab.errors import UserError
 from btb_lab.records import BURST_JOB_KINDS, Request
 from btb_lab.registry import Registry
@@ -33,6 +38,7 @@ __all__ = [
     "GenContext",
     "GeneratorEntry",
     "PoissonParams",
+    "check_request_count",
     "generate",
     "parse_params",
 ]
@@ -108,7 +114,9 @@ def _prompt_blocks(
 class BurstedParams(StrictModel):
     """Bursted-ART-shaped windows: synchronized same-prefix bursts, decoys, background."""
 
-    windows: int = Field(40, ge=1, description="Synthetic windows (the seed: 10 train + 30 test).")
+    windows: int = Field(
+        40, ge=1, le=MAX_REQUESTS, description="Synthetic windows (the seed: 10 train + 30 test)."
+    )
     train_fraction: float = Field(
         0.25, ge=0, le=1, description="Share of whole windows in the train split (per source)."
     )
@@ -116,15 +124,20 @@ class BurstedParams(StrictModel):
         "all", description="Which whole windows to emit."
     )
     window_s: float = Field(60.0, gt=0, description="Length of one window in seconds.")
-    bursts_per_window: int = Field(1, ge=0, description="Burst jobs in each synthetic window.")
-    burst_size: int = Field(500, ge=1, description="Requests in one burst (N).")
-    burst_sizes: list[int] | None = Field(
+    bursts_per_window: int = Field(
+        1, ge=0, le=MAX_REQUESTS, description="Burst jobs in each synthetic window."
+    )
+    burst_size: int = Field(500, ge=1, le=MAX_REQUESTS, description="Requests in one burst (N).")
+    burst_sizes: list[Annotated[int, Field(ge=1, le=MAX_REQUESTS)]] | None = Field(
         None,
         min_length=1,
+        max_length=10_000,
         description="Burst sizes to cycle through instead of one burst_size: the k-th burst "
         "of the run (window by window) has burst_sizes[k mod len] requests.",
     )
-    prefix_tokens: int = Field(65536, ge=1, description="Prefix shared by a burst (P), tokens.")
+    prefix_tokens: int = Field(
+        65536, ge=1, le=MAX_TOKENS, description="Prefix shared by a burst (P), tokens."
+    )
     burst_spread_s: float = Field(
         8.0,
         ge=0,
@@ -132,32 +145,45 @@ class BurstedParams(StrictModel):
         "burst; ≤ 10 keeps the whole burst inside the audit's deep window).",
     )
     suffix_tokens_median: float = Field(
-        1024, gt=0, description="Median per-request suffix after the shared prefix, tokens."
+        1024,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Median per-request suffix after the shared prefix, tokens.",
     )
-    suffix_sigma: float = Field(0.5, ge=0, description="Log-normal sigma of suffix lengths.")
-    output_tokens_median: float = Field(256, gt=0, description="Median output length, tokens.")
-    output_sigma: float = Field(0.7, ge=0, description="Log-normal sigma of output lengths.")
-    max_output_tokens: int = Field(4096, ge=1, description="Output length cap, tokens.")
+    suffix_sigma: float = Field(0.5, ge=0, le=10, description="Log-normal sigma of suffix lengths.")
+    output_tokens_median: float = Field(
+        256, gt=0, le=MAX_TOKENS, description="Median output length, tokens."
+    )
+    output_sigma: float = Field(0.7, ge=0, le=10, description="Log-normal sigma of output lengths.")
+    max_output_tokens: int = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Output length cap, tokens."
+    )
     decoys_per_window: int = Field(
-        4, ge=0, description="Decoy jobs per window: same prefix length, too few repeats."
+        4,
+        ge=0,
+        le=MAX_REQUESTS,
+        description="Decoy jobs per window: same prefix length, too few repeats.",
     )
     decoy_repeats: int = Field(
-        3, ge=1, description="Requests per decoy job, spread over the window."
+        3, ge=1, le=MAX_REQUESTS, description="Requests per decoy job, spread over the window."
     )
     background_rate_per_s: float = Field(
         2.0, ge=0, description="Poisson rate of unrelated background requests (0 = none)."
     )
     background_tokens_median: float = Field(
-        3000, gt=0, description="Median background prompt length, tokens."
+        3000, gt=0, le=MAX_TOKENS, description="Median background prompt length, tokens."
     )
     background_prefixes: int = Field(
-        8, ge=1, description="Distinct short system prompts shared by background requests."
+        8,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Distinct short system prompts shared by background requests.",
     )
     background_prefix_tokens: int = Field(
-        2048, ge=0, description="Length of each background system prompt, tokens."
+        2048, ge=0, le=MAX_TOKENS, description="Length of each background system prompt, tokens."
     )
     real_windows: int = Field(
-        0, ge=0, description="Plain windows cut from `real_trace` (source 'art')."
+        0, ge=0, le=MAX_REQUESTS, description="Plain windows cut from `real_trace` (source 'art')."
     )
     real_trace: str | None = Field(
         None, description="Trace file for plain windows, relative to the hypothesis folder."
@@ -188,6 +214,13 @@ class BurstedParams(StrictModel):
             raise ValueError("decoy_repeats must be smaller than burst_size (else it is a burst)")
         if self.real_windows and not self.real_trace:
             raise ValueError("real_windows needs real_trace")
+        size = max(self.burst_sizes) if self.burst_sizes else self.burst_size
+        per_window = (
+            self.bursts_per_window * size
+            + self.decoys_per_window * self.decoy_repeats
+            + self.background_rate_per_s * self.window_s
+        )
+        check_request_count(self.windows * per_window, "windows × requests per window")
         return self
 
     @property
@@ -200,6 +233,15 @@ class BurstedParams(StrictModel):
         if self.burst_sizes is None:
             return self.burst_size
         return self.burst_sizes[k % len(self.burst_sizes)]
+
+
+def check_request_count(expected: float, what: str) -> None:
+    """Refuse generator parameters that make more than MAX_REQUESTS requests."""
+    if expected > MAX_REQUESTS:
+        raise ValueError(
+            f"these parameters make about {expected:,.0f} requests ({what}); the limit is "
+            f"{MAX_REQUESTS:,} per run"
+        )
 
 
 def _split_windows(
@@ -407,35 +449,65 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
 class AgenticParams(StrictModel):
     """Multi-turn agent sessions: each turn re-sends the whole context plus new tokens."""
 
-    sessions: int = Field(80, ge=1, description="Number of sessions.")
+    sessions: int = Field(
+        80,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Number of sessions (sessions × mean turns at most 10,000,000 requests).",
+    )
     session_rate_per_s: float = Field(0.2, gt=0, description="Poisson rate of session starts.")
     turns_mean: float = Field(2.5, ge=1, description="Mean turns per session (geometric).")
-    max_turns: int = Field(12, ge=1, description="Most turns in one session.")
+    max_turns: int = Field(12, ge=1, le=MAX_REQUESTS, description="Most turns in one session.")
     think_time_s_mean: float = Field(
         15.0, ge=0, description="Mean gap between a turn's arrival and the next (exponential)."
     )
-    system_prompts: int = Field(4, ge=1, description="Distinct agent system prompts.")
-    system_prompt_tokens: int = Field(2048, ge=0, description="System prompt length, tokens.")
+    system_prompts: int = Field(
+        4, ge=1, le=MAX_REQUESTS, description="Distinct agent system prompts."
+    )
+    system_prompt_tokens: int = Field(
+        2048, ge=0, le=MAX_TOKENS, description="System prompt length, tokens."
+    )
     first_turn_tokens_median: float = Field(
-        17000, gt=0, description="Median first-turn task context after the system prompt."
+        17000,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Median first-turn task context after the system prompt.",
     )
-    first_turn_sigma: float = Field(0.8, ge=0, description="Log-normal sigma of first turns.")
+    first_turn_sigma: float = Field(
+        0.8, ge=0, le=10, description="Log-normal sigma of first turns."
+    )
     growth_tokens_median: float = Field(
-        1200, gt=0, description="Median new tokens a later turn adds (tool output, user text)."
+        1200,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Median new tokens a later turn adds (tool output, user text).",
     )
-    growth_sigma: float = Field(1.0, ge=0, description="Log-normal sigma of context growth.")
+    growth_sigma: float = Field(1.0, ge=0, le=10, description="Log-normal sigma of context growth.")
     large_addition_prob: float = Field(
         0.05, ge=0, le=1, description="Chance a later turn adds a large document instead."
     )
     large_addition_tokens_median: float = Field(
-        24000, gt=0, description="Median size of such a large addition, tokens."
+        24000, gt=0, le=MAX_TOKENS, description="Median size of such a large addition, tokens."
     )
-    output_tokens_median: float = Field(200, gt=0, description="Median output length, tokens.")
-    output_sigma: float = Field(1.0, ge=0, description="Log-normal sigma of output lengths.")
-    max_output_tokens: int = Field(4096, ge=1, description="Output length cap, tokens.")
+    output_tokens_median: float = Field(
+        200, gt=0, le=MAX_TOKENS, description="Median output length, tokens."
+    )
+    output_sigma: float = Field(1.0, ge=0, le=10, description="Log-normal sigma of output lengths.")
+    max_output_tokens: int = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Output length cap, tokens."
+    )
     max_context_tokens: int = Field(
-        131072, ge=1, description="A session ends before its context would exceed this."
+        131072,
+        ge=1,
+        le=MAX_TOKENS,
+        description="A session ends before its context would exceed this.",
     )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> AgenticParams:
+        turns = min(float(self.max_turns), self.turns_mean)
+        check_request_count(self.sessions * turns, "sessions × mean turns")
+        return self
 
 
 def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
@@ -506,21 +578,35 @@ def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
 class PoissonParams(StrictModel):
     """Poisson arrivals over synthetic prompts that share a few popular prefixes."""
 
-    requests: int = Field(1000, ge=1, description="Number of requests.")
+    requests: int = Field(
+        1000,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Number of requests (at most MAX_REQUESTS = 10,000,000 per run, ten times "
+        "the one-million-request simulator benchmark).",
+    )
     rate_per_s: float = Field(5.0, gt=0, description="Mean arrival rate, requests per second.")
-    prefixes: int = Field(16, ge=1, description="Distinct shared prefixes.")
-    prefix_tokens: int = Field(4096, ge=0, description="Length of each shared prefix, tokens.")
+    prefixes: int = Field(16, ge=1, le=MAX_REQUESTS, description="Distinct shared prefixes.")
+    prefix_tokens: int = Field(
+        4096, ge=0, le=MAX_TOKENS, description="Length of each shared prefix, tokens."
+    )
     prefix_zipf: float = Field(
         1.1, ge=0, description="Zipf exponent of prefix popularity (0 = uniform)."
     )
     shared_fraction: float = Field(
         0.8, ge=0, le=1, description="Share of requests that start with a shared prefix."
     )
-    suffix_tokens_median: float = Field(512, gt=0, description="Median own suffix, tokens.")
-    suffix_sigma: float = Field(0.8, ge=0, description="Log-normal sigma of suffix lengths.")
-    output_tokens_median: float = Field(256, gt=0, description="Median output length, tokens.")
-    output_sigma: float = Field(0.7, ge=0, description="Log-normal sigma of output lengths.")
-    max_output_tokens: int = Field(4096, ge=1, description="Output length cap, tokens.")
+    suffix_tokens_median: float = Field(
+        512, gt=0, le=MAX_TOKENS, description="Median own suffix, tokens."
+    )
+    suffix_sigma: float = Field(0.8, ge=0, le=10, description="Log-normal sigma of suffix lengths.")
+    output_tokens_median: float = Field(
+        256, gt=0, le=MAX_TOKENS, description="Median output length, tokens."
+    )
+    output_sigma: float = Field(0.7, ge=0, le=10, description="Log-normal sigma of output lengths.")
+    max_output_tokens: int = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Output length cap, tokens."
+    )
 
 
 class GammaParams(PoissonParams):

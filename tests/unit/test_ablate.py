@@ -112,3 +112,24 @@ def test_reference_columns_give_the_gap() -> None:
     assert row["red_gap_pp"] == pytest.approx(5.0)
     assert not row["red_within"]
     assert math.isnan(df.set_index("setup").loc["s2", "published_pct"])
+
+
+@pytest.mark.parametrize(
+    ("item", "expected"),
+    [
+        ("sim.x={a: 1, a: 2}", "--set sim.x={a: 1, a: 2}: a: duplicate key 'a'"),
+        ("notes=!!python/object/apply:os.system ['echo owned']", "not allowed"),
+        ("cluster.launch.env.C.HF_TOKEN=[1,", "--set cluster.launch.env.C.HF_TOKEN=***: "),
+    ],
+)
+def test_ablate_set_values_are_read_with_the_run_checks(
+    tmp_path: Path, item: str, expected: str
+) -> None:
+    from tests.helpers import cli
+
+    result = cli("ablate", tmp_path / "never-read.yaml", "--set", item)
+    assert result.code == 2, result.output
+    assert not result.traceback, result.output
+    assert expected in result.err
+    assert "[1," not in result.err  # a credential's value is not echoed
+    assert "owned" not in result.out
