@@ -5,6 +5,10 @@ Seeds: repeat r's workload seed derives from (master seed, r); each variant × r
 backend seed also mixes in a blake2b digest of the variant name. All variants of one
 repeat replay the same requests, and the same file + seed + backend give the same
 numbers.
+
+This module is long because the run's whole life is one story read top to bottom:
+planning, the repeat loop with its interrupt and failure handling, and the finalisation
+that must happen in one order; splitting it would scatter that order across files.
 """
 
 from __future__ import annotations

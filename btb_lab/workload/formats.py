@@ -218,6 +218,8 @@ def _columnar(
         return LoadedTrace(build(columnar, path, block_tokens))
     except columnar.Fallback:
         return None
+    except (ValueError, OSError):  # pyarrow cannot read it: the row loader says why, with the file
+        return None
 
 
 def _non_decreasing(values: list[float], previous: float) -> bool:

@@ -8,6 +8,9 @@ loader applies `time_scale` and lays windows end to end.
 Counts and token lengths are bounded (`config.limits`): a generator whose parameters
 would make more than MAX_REQUESTS requests, or prompts longer than MAX_TOKENS, is refused
 while validating instead of exhausting memory while generating.
+
+This module is long because each generator's parameter model sits beside the generator
+it validates, with the shared bounds, so a parameter and its use are read together.
 """
 
 from __future__ import annotations

@@ -15,7 +15,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "btb_lab"
 # the data contracts and helpers every stage shares (records.py, events.py)
-BASE = {"errors", "registry", "records", "events", "btb_lab"}
+# shared by every stage: errors, the registry helper, the record types, and the small
+# utilities every layer needs (strict YAML reading, credential redaction, Ctrl-C handling)
+BASE = {
+    "errors", "registry", "records", "events", "btb_lab", "yamlio", "redact", "interrupts",
+}  # fmt: skip
 
 # stage -> stages it may import (besides itself and BASE)
 ALLOWED: dict[str, set[str]] = {
@@ -24,6 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     "records": set(),
     "events": set(),
     "btb_lab": set(),
+    "yamlio": {"errors"},
+    "redact": set(),
+    "interrupts": set(),
     "config": set(),
     "workload": {"config"},
     "model": {"config"},
