@@ -61,14 +61,16 @@ def import_ray() -> ModuleType:
 
 def connect(settings: RaySettings) -> ModuleType:
     """Connect this process to the cluster at `ray.address`, else `$RAY_ADDRESS`, else
-    start a Ray instance on this machine; once per process. Ray's own SIGTERM handler is
-    undone, so SIGTERM still reaches the run as an interrupt and teardown runs."""
+    start a Ray instance on this machine; once per process. The SIGINT and SIGTERM
+    handlers in force before are put back (Ray's driver sets its own SIGTERM handler), so
+    both still reach the run as an interrupt and teardown runs."""
     ray = import_ray()
     if ray.is_initialized():
         return ray
     address = settings.address or os.environ.get("RAY_ADDRESS") or None
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signals} if main else {}
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -76,8 +78,9 @@ def connect(settings: RaySettings) -> ModuleType:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cluster.launch.ray.address: cannot connect to {where}: {first}") from None
     finally:
-        if main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            if handler is not None:  # re-installed, so the C-level handler is Python's again
+                signal.signal(signum, handler)
     atexit.register(_stop_live)  # after Ray's own exit hook, so it runs before it
     return ray
 
