@@ -223,8 +223,8 @@ def test_no_actor_or_vllm_process_remains(runs: dict) -> None:
 
 @pytest.mark.xfail(
     reason="open (issue 15): a SIGINT to a btb-lab run that is a Ray driver was seen lost "
-    "(the run finished normally); the handlers are now re-installed after ray.init, "
-    "not yet confirmed on this machine",
+    "(the run finished normally); with the handlers re-installed after ray.init it passed "
+    "once here, and stays an expected failure until it has passed repeatedly",
     strict=False,
 )
 def test_sigint_mid_run_keeps_partial_records_and_stops_every_actor(
