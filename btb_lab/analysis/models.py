@@ -30,6 +30,7 @@ __all__ = [
     "VariantVerdict",
     "Verdict",
     "VerdictWord",
+    "WarmSpend",
 ]
 
 SUMMARY = "summary.json"
@@ -99,6 +100,23 @@ class GpuStats(_Stored):
     per_instance: dict[str, float] = Field(default_factory=dict)
 
 
+class WarmSpend(_Stored):
+    """What a variant's warming cost, from its `warm_copy` events over all repeats: RDMA
+    copies, and speculative prefills with the share spent on jobs that never became a
+    burst (decoys). A speculative prefill counts once per repeat, target and job, at its
+    deepest (chunks extend one prefill); its seconds are the instance time its event
+    spans (on the simulator, the cost model's prefill time)."""
+
+    copies: int = 0
+    copy_tokens: int = 0
+    prefills: int = 0  # speculative prefill actions, every chunk counted
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decoy_prefill_tokens: int = 0
+    decoy_prefill_s: float = 0.0
+    decoy_max_requests: int = 0  # a job of at most this many requests counts as a decoy
+
+
 class VariantSummary(_Stored):
     all: RequestMetrics
     classes: dict[str, RequestMetrics] = Field(default_factory=dict)
@@ -109,6 +127,7 @@ class VariantSummary(_Stored):
     cache: CacheStats = Field(default_factory=CacheStats)
     gpu: GpuStats = Field(default_factory=GpuStats)
     repeats: list[int] = Field(default_factory=list)
+    warm: WarmSpend = Field(default_factory=WarmSpend)
 
     def value(self, metric: str, scope: str = "all") -> float | None:
         """One metric of this variant: request metrics overall, for a class or for a pool

@@ -18,6 +18,7 @@ from btb_lab.analysis.classes import assign_classes
 from btb_lab.analysis.metrics import summarize_variants
 from btb_lab.analysis.models import Exclusion, PrimarySpec, Summary, VariantSummary, Verdict
 from btb_lab.analysis.scopes import apply_exclusion
+from btb_lab.analysis.speculation import warm_spend
 from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
@@ -29,6 +30,7 @@ __all__ = [
     "analyze_frames",
     "analyze_run",
     "classified",
+    "incomplete_reason",
     "measured_frames",
     "summarize_fidelity",
 ]
@@ -71,7 +73,7 @@ def analyze_frames(
     *,
     variants: list[str],
     failed: Sequence[str] = (),
-    incomplete: bool = False,
+    incomplete: bool | str = False,
 ) -> tuple[pd.DataFrame, Verdict, dict[str, VariantSummary]]:
     """Timings, classes, per-variant metrics and the verdict for a set of records."""
     records, utilization, _ = measured_frames(hypothesis, records, utilization)
@@ -111,6 +113,17 @@ def stored_hypothesis(manifest: Manifest, run_dir: Path) -> Hypothesis:
         ) from None
 
 
+def incomplete_reason(manifest: Manifest) -> str:
+    """Why a run is incomplete, as the verdict's reason says it."""
+    if manifest.error:
+        return f"run failed: {manifest.error}"
+    if manifest.interrupted:
+        return "run incomplete (interrupted)"
+    if manifest.finished is None:
+        return "run incomplete (it stopped without recording an end: killed?)"
+    return "run incomplete"
+
+
 def analyze_run(run_dir: Path) -> AnalyzedRun:
     """Everything the report needs, computed from the stored run."""
     manifest = Manifest.load(run_dir)
@@ -122,11 +135,16 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
     )
     verdict = evaluate_verdict(
         records, util, hypothesis.verdict, baseline=hypothesis.baseline, variants=variants,
-        seed=hypothesis.seed, failed=manifest.failed_variants, incomplete=not manifest.complete,
+        seed=hypothesis.seed, failed=manifest.failed_variants,
+        incomplete=False if manifest.complete else incomplete_reason(manifest),
     )  # fmt: skip
     variant_block = summarize_variants(
         records, util, variants, [rule.name for rule in hypothesis.classes]
     )
+    events = read_events(run_dir, variants)
+    for name, spend in warm_spend(events, all_records, variants).items():
+        if name in variant_block:
+            variant_block[name].warm = spend
     rule = hypothesis.verdict
     summary = Summary(
         hypothesis=hypothesis.id,
@@ -150,7 +168,6 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
         exclusion=exclusion,
         repeats=len({r.repeat for r in manifest.runs}) or None,
     )
-    events = read_events(run_dir, variants)
     return AnalyzedRun(
         run_dir, manifest, hypothesis, records, util, verdict, summary, all_records, events
     )

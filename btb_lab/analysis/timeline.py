@@ -87,6 +87,8 @@ def reconstruct_events(
 
     def add(store: dict[str, list[np.ndarray]], names: np.ndarray, a: np.ndarray,
             b: np.ndarray) -> None:  # fmt: skip
+        if names.size == 0:  # e.g. no co-located request when every one was offloaded
+            return
         codes, uniques = pd.factorize(names)
         order = np.argsort(codes, kind="stable")
         cuts = np.cumsum(np.bincount(codes, minlength=len(uniques)))[:-1]

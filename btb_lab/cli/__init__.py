@@ -6,6 +6,8 @@ Command groups live in sibling modules, one per pipeline area.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import typer
@@ -32,23 +34,34 @@ calibrate.register(app)
 
 
 def main() -> None:
-    """Entry point: a user mistake prints one message and exits 2, never a traceback."""
+    """Entry point: a user mistake prints one message and exits 2, never a traceback.
+
+    Input the library could not read (an OSError such as a full disk or a missing
+    permission, text that is not UTF-8, YAML or parquet it cannot parse) is reported the
+    same way; set BTB_LAB_DEBUG=1 to see the traceback instead. SIGTERM is handled like
+    Ctrl-C in every command (exit 143 instead of 130).
+    """
+    from btb_lab.interrupts import exit_code, terminate_interrupts, terminated
+
     try:
         # Without standalone mode click returns a command's exit code instead of exiting.
-        rc = app(standalone_mode=False)
+        with terminate_interrupts():
+            rc = app(standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         typer.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(exit_code(exc))
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except Exception as exc:  # click's usage errors arrive here in non-standalone mode
         from pydantic import ValidationError
 
-        if isinstance(exc, typer.Abort):
-            sys.exit(130)
+        if isinstance(exc, typer.Abort):  # click turns KeyboardInterrupt into Abort
+            typer.echo("interrupted", err=True)
+            cause = exc.__cause__ or exc.__context__
+            sys.exit(exit_code(cause) if isinstance(cause, KeyboardInterrupt) else 130)
         # typer vendors click; its usage errors derive from the public TyperException
         if isinstance(exc, typer.TyperException) and hasattr(exc, "show"):
             exc.show()
@@ -58,6 +71,29 @@ def main() -> None:
                 where = ".".join(str(p) for p in err["loc"]) or "(input)"
                 typer.echo(f"error: {where}: {err['msg']}", err=True)
             sys.exit(2)
-        raise
+        message = _unreadable_input(exc)
+        if message is None or os.environ.get("BTB_LAB_DEBUG"):
+            raise
+        typer.echo(f"error: {message}", err=True)
+        sys.exit(2)
+    if rc == 130 and terminated():  # typer turns every KeyboardInterrupt into exit 130
+        rc = 128 + signal.SIGTERM
     if isinstance(rc, int) and rc:
         sys.exit(rc)
+
+
+def _unreadable_input(exc: Exception) -> str | None:
+    """One line for the errors of reading or writing files the commands do not catch
+    themselves; None for anything else (a bug, shown with its traceback)."""
+    from btb_lab.errors import describe_os_error
+
+    if isinstance(exc, OSError):
+        return describe_os_error(exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    module = type(exc).__module__ or ""
+    if module.startswith("yaml"):
+        return f"YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    if module.startswith("pyarrow"):
+        return f"unreadable parquet or Arrow data: {str(exc).splitlines()[0]}"
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import typer
@@ -19,7 +20,7 @@ model_app = typer.Typer(help="Local test models.", no_args_is_help=True)
 def serve(
     hypothesis: Path = typer.Option(..., "--hypothesis", help="Hypothesis YAML file."),
     variant: str = typer.Option(..., "--variant", help="Variant whose policy routes."),
-    port: int = typer.Option(8000, "--port", help="Port of the proxy."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the proxy."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address the proxy binds to."),
 ) -> None:
     """Launch (or attach to) the hypothesis's instances and serve the variant's router
@@ -44,7 +45,11 @@ def serve(
     model = resolve_served_model(hyp)
     spec = hyp.variants[variant].router
     policy = build_policy(spec.policy, spec.params, seed=hyp.seed)
+    # Bind before launching anything: a port in use is one clear error, not a bind
+    # failure after the instances started and the router said where it listens.
+    sock = _listen(host, port)
     with (
+        sock,
         sigterm_raises(),
         Launcher(
             Path("results") / "router-serve" / "instances",
@@ -55,20 +60,41 @@ def serve(
         if launch.endpoints:
             endpoints = plan_endpoints(hyp.cluster)
         else:
-            endpoints = launcher.start(plan_instances(hyp.cluster, model=model))
+            specs = plan_instances(hyp.cluster, model=model, block_tokens=hyp.workload.block_tokens)
+            endpoints = launcher.start(specs)
         client = make_client(
             request_timeout_s=launch.request_timeout_s,
             connect_timeout_s=launch.connect_timeout_s,
             max_connections=launch.max_connections,
         )
         router = make_router(
-            endpoints, policy, build_cost_model(hyp, loaded.base_dir), client=client, model=model
-        )
+            endpoints, policy, build_cost_model(hyp, loaded.base_dir), client=client,
+            model=model, connector=hyp.cluster.kv_connector,
+        )  # fmt: skip
         app = build_proxy_app(router, block_tokens=hyp.workload.block_tokens)
         for ep in endpoints:
             typer.echo(f"{ep.name} ({ep.role}) {ep.base_url}")
         typer.echo(f"router ({spec.policy}) on http://{host}:{port}/v1/completions")
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound socket for the proxy (a UserError naming host and port when it is taken)."""
+    from btb_lab.errors import UserError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UserError(f"--host {host}: {exc.strerror or exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 @router_app.command("bench")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-from btb_lab.errors import UserError
+from btb_lab.errors import OutputError, UserError, describe_os_error
 
 if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary
@@ -44,16 +44,23 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
-    import yaml
+def _parse_set(items: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`--set dotted.path=VALUE` items: the overrides (values read as YAML, with the
+    hypothesis loader's checks) and, per key, the `--set` it came from."""
+    from btb_lab.redact import redact_argv
+    from btb_lab.yamlio import parse_yaml_value
 
     out: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise UserError(f"--set {item!r}: expected dotted.path=value")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+        label = f"--set {redact_argv([f'{key}={value}'])[0]}"
+        out[key] = parse_yaml_value(value, label)
+        origins[key] = label
+    return out, origins
 
 
 def _explain(model: Any, prefix: str = "") -> list[str]:
@@ -148,15 +155,17 @@ def register(app: typer.Typer) -> None:
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress display."),
     ) -> None:
         """Run every variant × repeat, store the results, print the summary and verdict."""
+        from btb_lab.interrupts import exit_code
         from btb_lab.runner import RunInterrupted, RunOptions, run_hypothesis
 
+        overrides, origins = _parse_set(set_)
         backends = [b.strip() for b in (backend or "").split(",") if b.strip()]
         options = RunOptions(
             backend=backends[0] if len(backends) == 1 else None, out=out, repeats=repeats,
             requests=requests,
             time_scale=time_scale, seed=seed, dry_run=dry_run,
             variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
-            progress=not no_progress, overrides=_parse_set(set_),
+            progress=not no_progress, overrides=overrides, origins=origins,
         )  # fmt: skip
         if len(backends) > 1:
             from btb_lab.crosscheck import run_crosscheck
@@ -165,7 +174,7 @@ def register(app: typer.Typer) -> None:
                 both = run_crosscheck(file, options, backends, calibrate=calibrate)
             except RunInterrupted as exc:
                 typer.echo(f"interrupted: finished records kept in {exc.run_dir}", err=True)
-                raise typer.Exit(130) from None
+                raise typer.Exit(exit_code(exc)) from None
             for name, outcome in both.runs.items():
                 assert outcome.summary is not None
                 typer.echo(f"[{name}]")
@@ -179,7 +188,7 @@ def register(app: typer.Typer) -> None:
         except RunInterrupted as exc:
             typer.echo(f"interrupted: finished records kept in {exc.run_dir} "
                        f"(report: {exc.run_dir / 'report.md'})", err=True)  # fmt: skip
-            raise typer.Exit(130) from None
+            raise typer.Exit(exit_code(exc)) from None
         if dry_run:
             assert outcome.plan is not None
             typer.echo("\n".join(outcome.plan.describe()))
@@ -192,7 +201,7 @@ def register(app: typer.Typer) -> None:
     @user_errors
     def report(
         target: str | None = typer.Argument(
-            None, help="Run directory or hypothesis id (its latest run)."
+            None, help="Run directory or hypothesis id (its newest full run)."
         ),
         all_: bool = typer.Option(False, "--all", help="Re-render every stored run."),
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
@@ -220,19 +229,28 @@ def register(app: typer.Typer) -> None:
                 dirs = [run_dir / both.runs[both.reference]]
                 dirs += [run_dir / p for b, p in both.runs.items() if b != both.reference]
                 for sub in dirs:
-                    run = build_report(sub)
+                    try:
+                        run = build_report(sub)
+                    except OSError as exc:  # a full or read-only disk
+                        raise OutputError(describe_os_error(exc, sub)) from None
                     typer.echo(f"{sub / 'report.md'}: {run.verdict.word}")
-                write_comparison(dirs, run_dir / both.compare)
+                try:
+                    write_comparison(dirs, run_dir / both.compare)
+                except OSError as exc:
+                    raise OutputError(describe_os_error(exc, run_dir / both.compare)) from None
                 typer.echo(f"{run_dir / both.compare / 'compare.md'}")
                 continue
-            run = build_report(run_dir)
+            try:
+                run = build_report(run_dir)
+            except OSError as exc:  # a full or read-only disk: nothing half-written stays
+                raise OutputError(describe_os_error(exc, run_dir)) from None
             typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
 
     @app.command()
     @user_errors
     def compare(
         runs: list[str] = typer.Argument(
-            ..., help="Run directories (or hypothesis ids: their latest run), two or more."
+            ..., help="Run directories (or hypothesis ids: their newest full run), two or more."
         ),
         out: Path | None = typer.Option(
             None, "--out", help="Output folder (default results/compare/<id>/<UTC time>-<id>/)."
@@ -273,12 +291,16 @@ def register(app: typer.Typer) -> None:
         from btb_lab.results import resolve_run_dir
 
         both = load_crosscheck(Path(run_dir))
+        compare_dir: Path | None = None
         if both is not None:  # the real run's entry, with the comparison's agreement
             path = Path(run_dir) / both.runs[both.reference]
-            append_entry(path, log, compare_dir=Path(run_dir) / both.compare)
+            compare_dir = Path(run_dir) / both.compare
         else:
             path = resolve_run_dir(run_dir, results)
-            append_entry(path, log)
+        try:
+            append_entry(path, log, compare_dir=compare_dir)
+        except OSError as exc:
+            raise OutputError(describe_os_error(exc, log.parent)) from None
         typer.echo(f"{log}: entry for {path}")
 
     @log_app.command("show")

@@ -35,11 +35,13 @@ def register(app: typer.Typer) -> None:
         """Run every point of a sweep as its own run directory, skipping finished points
         (resume), then write table.csv, table.md and plot.png into the sweep directory."""
         from btb_lab.sweep import default_sweep_dir, expand_points, load_sweep, run_sweep
+        from btb_lab.sweep.engine import check_points, plan_tasks
 
         if executor not in (None, "local", "ray"):
             raise UserError(f"--executor: {executor!r} is not one of: local, ray")
         if dry_run:
             loaded = load_sweep(file)
+            check_points(loaded, plan_tasks(loaded, out or default_sweep_dir(loaded), seed=seed))
             points = expand_points(loaded.spec)
             typer.echo(f"sweep {loaded.spec.name}: base {loaded.base_path}, {len(points)} points")
             for p in points:
@@ -65,3 +67,47 @@ def register(app: typer.Typer) -> None:
             for pid, err in outcome.failed.items():
                 typer.echo(f"  {pid}: {err}", err=True)
             raise typer.Exit(1)
+
+    @app.command()
+    def ablate(
+        file: Path = typer.Argument(..., help="Sweep file whose one axis lists the setups."),
+        profile: str = typer.Option(
+            "infer-sim", "--from", help="Fidelity profile to start from (sim.profile)."
+        ),
+        jobs: int = typer.Option(1, "--jobs", "-j", help="Points run in parallel processes."),
+        executor: str | None = typer.Option(None, "--executor", help="local or ray."),
+        out: Path | None = typer.Option(
+            None, "--out", help="Output directory (default results/ablations/<name>/)."
+        ),
+        set_: list[str] = typer.Option(
+            [], "--set", help="KEY=VALUE override for every point (YAML value), repeatable."
+        ),
+    ) -> None:
+        """Assumption waterfall: start from a profile's rules and switch them to btb-lab's
+        causal defaults one at a time, cumulatively; writes the sweep of every step, then
+        waterfall.csv / .md / .png with the headline per setup and step."""
+        from btb_lab.redact import redact_argv
+        from btb_lab.sweep import load_sweep
+        from btb_lab.sweep.ablate import run_ablation
+        from btb_lab.yamlio import parse_yaml_value
+
+        if executor not in (None, "local", "ray"):
+            raise UserError(f"--executor: {executor!r} is not one of: local, ray")
+        extra: dict[str, object] = {}
+        for item in set_:
+            key, sep, raw = item.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise UserError(f"--set {item!r}: expected KEY=VALUE")
+            # read with the same checks as `run --set` (no tags, duplicate keys or alias
+            # bombs); a problem names the --set, its credential values redacted
+            extra[key] = parse_yaml_value(raw, f"--set {redact_argv([f'{key}={raw}'])[0]}")
+        loaded = load_sweep(file)
+        target = out or Path("results") / "ablations" / loaded.spec.name
+        outputs = run_ablation(
+            file, profile, out=target, jobs=jobs, executor=executor, extra=extra,
+            echo=typer.echo,
+        )  # fmt: skip
+        typer.echo(outputs["waterfall_md"].read_text(encoding="utf-8"))
+        for name, path in outputs.items():
+            typer.echo(f"{name}: {path}")

@@ -7,6 +7,7 @@ load than 20), after re-basing each window (trace_id) to its first request.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +47,8 @@ def _load(
     from btb_lab.workload.formats import detect_format, load_trace
     from btb_lab.workload.loader import apply_time_scale
 
-    if time_scale <= 0:
-        raise UserError("--time-scale must be > 0")
+    if not math.isfinite(time_scale) or time_scale <= 0:
+        raise UserError(f"--time-scale must be a finite number > 0 (got {time_scale:g})")
     name = detect_format(path) if fmt == "auto" else fmt
     loaded = load_trace(path, name, block_tokens=block_tokens, skip_bad_rows=skip_bad_rows)
     if loaded.bad_rows:
@@ -60,14 +61,14 @@ def _load(
 
 
 def _parse_params(items: list[str]) -> dict[str, Any]:
-    import yaml
+    from btb_lab.yamlio import parse_yaml_value
 
     params: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UserError(f"--param {item!r}: expected key=value")
-        params[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        params[key.strip()] = parse_yaml_value(raw, f"--param {item}") if raw.strip() else None
     return params
 
 

@@ -11,6 +11,7 @@ everything this backend started before it propagates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import json
 import os
@@ -20,19 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from btb_lab.backends import BackendResult, RunContext
 from btb_lab.cluster.driver import ClientPool, LoadDriver, RunClock, event_loop_name, run_async
-from btb_lab.cluster.launcher import (
-    Endpoint,
-    Launcher,
-    plan_endpoints,
-    plan_instances,
-    sigterm_raises,
-)
+from btb_lab.cluster.launcher import Endpoint, plan_endpoints, plan_instances, sigterm_raises
+from btb_lab.cluster.launchers import InstanceLauncher, new_launcher, until_failure
 from btb_lab.cluster.router import Router
 from btb_lab.cluster.telemetry import (
     NvmlSampler,
-    PsutilSampler,
     Sampler,
     cache_hit_rates,
+    kv_sources,
     metrics_delta,
     nvml_available,
     scrape_all,
@@ -131,8 +127,8 @@ def _vllm_version() -> str | None:
     return None
 
 
-def _launch_key(cluster: ClusterSpec, model: str) -> str:
-    return json.dumps([cluster.model_dump(mode="json"), model], sort_keys=True)
+def _launch_key(cluster: ClusterSpec, model: str, block_tokens: int) -> str:
+    return json.dumps([cluster.model_dump(mode="json"), model, block_tokens], sort_keys=True)
 
 
 class ClusterBackend:
@@ -142,7 +138,7 @@ class ClusterBackend:
     name = "cluster"
 
     def __init__(self) -> None:
-        self._launcher: Launcher | None = None
+        self._launcher: InstanceLauncher | None = None
         self._launch_key: str | None = None
         self._endpoints: list[Endpoint] = []
 
@@ -161,32 +157,30 @@ class ClusterBackend:
         if launch.endpoints:
             self.close()
             return plan_endpoints(cluster), "attached"
-        key = _launch_key(cluster, model)
+        key = _launch_key(cluster, model, ctx.hypothesis.workload.block_tokens)
         if self._launcher is not None and self._launcher.running:
             if not launch.fresh_restart and key == self._launch_key:
                 self._launcher.check_alive()
                 return self._endpoints, "reused"
             self.close()
-        launcher = Launcher(
-            ctx.run_dir / "instances",
-            ready_timeout_s=launch.ready_timeout_s,
-            stop_grace_s=launch.stop_grace_s,
+        plan = functools.partial(  # also run on Ray nodes
+            plan_instances, model=model, block_tokens=ctx.hypothesis.workload.block_tokens
         )
+        launcher = new_launcher(cluster, ctx.run_dir / "instances", plan)
         self._launcher = launcher
-        self._endpoints = launcher.start(
-            plan_instances(cluster, model=model), label=f"{ctx.variant_name} r{ctx.repeat}"
-        )
+        self._endpoints = launcher.start(plan(cluster), label=f"{ctx.variant_name} r{ctx.repeat}")
         self._launch_key = key
         return self._endpoints, "launched"
 
     def _sampler(self, ctx: RunContext, endpoints: list[Endpoint], clock: RunClock) -> Sampler:
         launch = ctx.hypothesis.cluster.launch
+        if self._launcher is not None:
+            return self._launcher.sampler(
+                endpoints, launch.telemetry_interval_s, launch.device, clock.now
+            )
         if launch.device == "gpu" and nvml_available():
             owners = {g: ep.name for ep in endpoints for g in ep.gpus}
             return NvmlSampler(owners, launch.telemetry_interval_s, clock.now)
-        pids = self._launcher.pids() if self._launcher is not None else {}
-        if pids:
-            return PsutilSampler(pids, launch.telemetry_interval_s, clock.now)
         return Sampler(launch.telemetry_interval_s, clock.now)  # attached, no NVML: nothing
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
@@ -196,7 +190,8 @@ class ClusterBackend:
         with sigterm_raises():
             try:
                 endpoints, mode = self._instances(ctx, model)
-                result = run_async(self._drive(ctx, requests, endpoints, model))
+                driven = self._drive(ctx, requests, endpoints, model)
+                result = run_async(until_failure(driven, self._launcher))
             except BaseException:
                 self.close()
                 raise
@@ -231,12 +226,14 @@ class ClusterBackend:
         )
         sampler = self._sampler(ctx, endpoints, clock)
         periodic: list[tuple[float, dict[str, Any]]] = []
+        connector = hyp.cluster.kv_connector
         async with client:
             router = Router(
                 endpoints, policy, ctx.costs, client=client, clock=clock, model=model,
-                prompt_fn=prompt_function(ctx.seed, vocab), connector=hyp.cluster.kv_connector.type,
+                prompt_fn=prompt_function(ctx.seed, vocab), connector=connector,
                 cache_blocks=launch.router_cache_blocks, variant=ctx.variant_name,
                 repeat=ctx.repeat,
+                transfer_timeout_s=connector.transfer_timeout_s or launch.request_timeout_s,
             )  # fmt: skip
             await client.warm([ep.base_url for ep in endpoints])
             before = await scrape_all(client, endpoints)
@@ -271,6 +268,7 @@ class ClusterBackend:
             "router_view": "routed",
             "kv_visibility": "after_prefill",
             "request_timeout_s": launch.request_timeout_s,
+            "block_size": None if launch.endpoints else hyp.workload.block_tokens,
             "prompt_vocab_size": vocab,
             "driver_loop": event_loop_name(),
             "driver_lag_p50_ms": round(stats.lag_p50_ms, 3),
@@ -282,6 +280,7 @@ class ClusterBackend:
                 "after": after,
                 "delta": delta,
                 "cache_hit_rate": cache_hit_rates(delta),
+                "kv_sources": kv_sources(delta),
                 "periodic": periodic,
             },
             "driver": stats.as_dict(),

@@ -43,7 +43,7 @@ class _OnlyInstance(Policy):
 
 
 class _ZeroCosts:
-    def prefill_s(self, instance: int, tokens: int) -> float:
+    def prefill_s(self, instance: int, tokens: int, cached_tokens: int = 0) -> float:
         return 0.0
 
     def transfer_s(self, tokens: int, source: int, target: int) -> float:

@@ -38,7 +38,7 @@ __all__ = [
 
 
 def event_loop_name() -> str:
-    """uvloop when installed (it comes with vLLM), else asyncio's own loop."""
+    """uvloop (a dependency of btb-lab on POSIX), else asyncio's own loop."""
     import importlib.util
 
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
@@ -120,11 +120,20 @@ class ClientPool:
             self.release(idx)
 
     async def stream_completion(
-        self, url: str, payload: dict[str, Any], clock: RunClock
+        self,
+        url: str,
+        payload: dict[str, Any],
+        clock: RunClock,
+        *,
+        timeout_s: float | None = None,
+        on_first_token: Callable[[], None] | None = None,
     ) -> StreamResult:
         idx = self.lease()
         try:
-            return await stream_completion(self.clients[idx], url, payload, clock)
+            return await stream_completion(
+                self.clients[idx], url, payload, clock,
+                timeout_s=timeout_s, on_first_token=on_first_token,
+            )  # fmt: skip
         finally:
             self.release(idx)
 
@@ -192,6 +201,19 @@ class StreamResult:
     status: int | None = None
     body: dict[str, Any] = field(default_factory=dict)  # non-streaming response JSON
     retried: bool = False  # a stale keep-alive connection was replaced once
+    text: str = ""  # the generated text (first choice)
+    detail: str | None = None  # the server's own error message, when it sent one
+
+
+def _error_message(data: Any) -> str | None:
+    """The message of an OpenAI-style error body ({"error": {"message": …}} or
+    {"message": …}), cut to a readable length."""
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        msg = err.get("message") if isinstance(err, dict) else err
+        if msg is not None:
+            return str(msg)[:500]
+    return None
 
 
 def error_name(exc: BaseException) -> str:
@@ -218,21 +240,41 @@ async def stream_completion(
     url: str,
     payload: dict[str, Any],
     clock: RunClock,
+    *,
+    timeout_s: float | None = None,
+    on_first_token: Callable[[], None] | None = None,
 ) -> StreamResult:
     """POST one completion and stamp it. Never raises for transport or HTTP problems:
-    they come back as `ok=False, error=<name>` (cancellation still propagates). A pooled
-    keep-alive connection the server closed just before reuse is retried once: no
-    response arrived, so the server never took the request."""
+    they come back as `ok=False, error=<name>` with the server's message in `detail`
+    (cancellation still propagates); an error event inside the stream, or a choice that
+    finished with reason "error", fails the request too. A pooled keep-alive connection
+    the server closed just before reuse is retried once: no response arrived, so the
+    server never took the request. `timeout_s` replaces the client's read timeout for
+    this request; `on_first_token` is called when the first token arrives."""
 
     sent_s = clock.now()
-    result = await _stream_once(client, url, payload, clock, sent_s)
+    result = await _stream_once(client, url, payload, clock, sent_s, timeout_s, on_first_token)
     if result.status is None and result.error in _STALE_CONNECTION_ERRORS:
-        result = await _stream_once(client, url, payload, clock, sent_s)
+        result = await _stream_once(client, url, payload, clock, sent_s, timeout_s, on_first_token)
         result.retried = True
     return result
 
 
 _STALE_CONNECTION_ERRORS = frozenset({"RemoteProtocolError", "ReadError", "WriteError"})
+
+
+def _read_choice(result: StreamResult, chunk: dict[str, Any]) -> None:
+    choice = chunk["choices"][0] if chunk.get("choices") else {}
+    result.text += str(choice.get("text") or "")
+    if choice.get("finish_reason") == "error" and result.error is None:
+        result.error = "FinishError"
+
+
+def _http_detail(result: StreamResult, resp: httpx.Response) -> None:
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        result.detail = _error_message(resp.json())
+    if result.detail is None and resp.content:
+        result.detail = resp.content[:500].decode("utf-8", "replace")
 
 
 async def _stream_once(
@@ -241,27 +283,42 @@ async def _stream_once(
     payload: dict[str, Any],
     clock: RunClock,
     sent_s: float,
+    timeout_s: float | None = None,
+    on_first_token: Callable[[], None] | None = None,
 ) -> StreamResult:
     import httpx
 
     result = StreamResult(sent_s=sent_s)
+    extra: dict[str, Any] = {}
+    if timeout_s is not None:
+        timeout = httpx.Timeout(timeout_s, connect=client.timeout.connect, pool=timeout_s)
+        extra["timeout"] = timeout
     try:
         if not payload.get("stream"):
-            resp = await client.post(url, json=payload)
+            resp = await client.post(url, json=payload, **extra)
             result.status = resp.status_code
+            if resp.status_code != 200:
+                _http_detail(result, resp)
             resp.raise_for_status()
             result.finish_s = clock.now()
+            result.body = resp.json()
+            _read_choice(result, result.body)
+            _read_usage(result, result.body.get("usage"))
+            if result.error is not None:
+                result.finish_s = None
+                return result
             result.first_token_s = result.finish_s
             result.last_chunk_s = result.finish_s
-            result.body = resp.json()
             result.chunks = 1
-            _read_usage(result, result.body.get("usage"))
             result.ok = True
+            if on_first_token is not None:
+                on_first_token()
             return result
-        async with client.stream("POST", url, json=payload) as resp:
+        async with client.stream("POST", url, json=payload, **extra) as resp:
             result.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
+                _http_detail(result, resp)
                 resp.raise_for_status()
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -271,14 +328,23 @@ async def _stream_once(
                     continue  # read to the end so the connection returns to the pool
                 now = clock.now()
                 chunk = json.loads(data)
+                if "error" in chunk and not chunk.get("choices"):
+                    result.error = result.error or "StreamError"
+                    result.detail = _error_message(chunk)
+                    continue
                 if chunk.get("choices"):
                     if result.first_token_s is None:
                         result.first_token_s = now
+                        if on_first_token is not None:
+                            on_first_token()
                     result.last_chunk_s = now
                     result.chunks += 1
+                    _read_choice(result, chunk)
                 _read_usage(result, chunk.get("usage"))
         result.finish_s = clock.now()
-        if result.first_token_s is None:
+        if result.error is not None:
+            result.finish_s = None
+        elif result.first_token_s is None:
             result.error = "NoTokens"
         else:
             result.ok = True

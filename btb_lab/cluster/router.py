@@ -1,23 +1,37 @@
 """The in-process router for real clusters: the same Policy objects as the simulator,
 fed a ClusterView built from the router's own bookkeeping, with each Decision carried
-out as HTTP traffic — plain routing, prefill offload over vLLM's Mooncake connector
-protocol, and BTB warming (a Mooncake transfer, or a prefix-only speculative prefill).
+out as HTTP traffic — plain routing, prefill offload and BTB warming as KV transfers
+through the cluster's connector (NIXL, ExampleConnector, Mooncake), or, with no
+connector, offloads on the decode instance alone and warming as a prefix-only
+speculative prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from btb_lab.cluster.connectors import (
+    Connector,
+    TransferIO,
+    TransferJob,
+    TransferMeter,
+    TransferResult,
+    build_connector,
+)
 from btb_lab.cluster.driver import ClientPool, RunClock, StreamResult, completion_payload
 from btb_lab.cluster.launcher import Endpoint
 from btb_lab.events import EventLog
 from btb_lab.policies.base import CostModel, Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
+
+if TYPE_CHECKING:
+    from btb_lab.config.hypothesis import KVConnector
 
 __all__ = ["BlockLRU", "Router", "RouterState", "RoutingStats"]
 
@@ -130,7 +144,10 @@ class RoutingStats:
     warms_ok: int = 0
     warms_failed: int = 0
     warms_skipped_duplicate: int = 0
+    parked_for_warm: int = 0  # requests that waited for a warm copy to their instance
     warm_s: list[float] = field(default_factory=list)
+    transfers_failed: int = 0
+    warms: list[dict[str, Any]] = field(default_factory=list)  # one entry per warm copy
 
     def as_dict(self) -> dict[str, Any]:
         warm = sorted(self.warm_s)
@@ -143,7 +160,10 @@ class RoutingStats:
             "warms_ok": self.warms_ok,
             "warms_failed": self.warms_failed,
             "warms_skipped_duplicate": self.warms_skipped_duplicate,
+            "parked_for_warm": self.parked_for_warm,
             "warm_p50_s": warm[len(warm) // 2] if warm else None,
+            "transfers_failed": self.transfers_failed,
+            "warms": list(self.warms),
         }
 
 
@@ -164,10 +184,11 @@ class Router:
         clock: RunClock,
         model: str,
         prompt_fn: PromptFn,
-        connector: str = "none",
+        connector: str | KVConnector | Connector = "none",
         cache_blocks: int = 100_000,
         variant: str = "",
         repeat: int = 0,
+        transfer_timeout_s: float | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
         self.policy = policy
@@ -175,31 +196,29 @@ class Router:
         self.clock = clock
         self.model = model
         self.prompt_fn = prompt_fn
-        self.connector = connector
+        self.kv = _as_connector(connector)
+        self.connector = self.kv.name
         self.variant = variant
         self.repeat = repeat
         self.state = RouterState(self.endpoints, costs, clock, cache_blocks=cache_blocks)
         self.stats = RoutingStats()
         self.events = EventLog("router")  # warm copies and KV transfers, as they happen
-        self._engine_ids: dict[int, str] = {}
+        self.io = TransferIO(
+            client, clock, self.endpoints, model,
+            TransferMeter(client, self.endpoints, enabled=self.kv.spec.attribute_transfers),
+            timeout_s=transfer_timeout_s,
+        )  # fmt: skip
         self._warm_tasks: set[asyncio.Task[None]] = set()
-        self._warming: set[tuple[int, int, int]] = set()
+        # warm copies in flight: (target, blocks, last block) -> the prefix and its landing
+        self._warming: dict[tuple[int, int, int], tuple[tuple[int, ...], asyncio.Event]] = {}
+        self.transfer_timeout_s = transfer_timeout_s
         self._ids = itertools.count()
 
     def _url(self, instance: int) -> str:
         return self.endpoints[instance].base_url + "/v1/completions"
 
-    async def engine_id(self, instance: int) -> str:
-        """The prefiller's engine id from its Mooncake bootstrap server (`/query`)."""
-        if instance not in self._engine_ids:
-            boot = self.endpoints[instance].bootstrap_url
-            if boot is None:
-                raise RuntimeError(f"instance {self.endpoints[instance].name} has no bootstrap")
-            resp = await self.client.get(boot + "/query")
-            resp.raise_for_status()
-            data = resp.json()
-            self._engine_ids[instance] = str(data[min(data, key=int)]["engine_id"])
-        return self._engine_ids[instance]
+    def _tag(self, kind: str, request: Request) -> str:
+        return f"{kind}-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
 
     # one request ------------------------------------------------------------------------
     async def dispatch(self, request: Request, target_s: float) -> RequestRecord:
@@ -214,7 +233,7 @@ class Router:
         offload = (
             decision.prefill_instance is not None and decision.prefill_instance != decision.instance
         )
-        if offload and self.connector == "mooncake":
+        if offload and self.kv.moves_kv:
             record = await self._offload(request, decision, prompt, target_s)
         else:
             if offload:
@@ -231,70 +250,83 @@ class Router:
         blocks = request.block_hashes
         self.state.begin(inst, tokens, blocks)
         try:
+            parked_s = await self._park_for_warm(inst, blocks)
             payload = completion_payload(self.model, prompt, request.output_tokens)
             res = await self.client.stream_completion(self._url(inst), payload, self.clock)
         finally:
             self.state.end(inst, tokens)
         if res.first_token_s is not None:
             self.state.prefilled(inst, blocks)
-        return self._record(request, decision, res, target_s)
+        record = self._record(request, decision, res, target_s)
+        if parked_s is not None:
+            record.extra["parked_for_warm_s"] = round(parked_s, 6)
+        return record
+
+    async def _park_for_warm(self, instance: int, blocks: Sequence[int]) -> float | None:
+        """Hold a request whose prefix is being copied to its instance until the copy
+        lands (or fails, or the transfer timeout passes), so that it hits the copied KV
+        instead of computing the prefix beside it, as the simulator parks a request for a
+        warm copy in flight. The seconds it waited, or None when nothing was in flight."""
+        pending = [
+            done for (target, n, _), (prefix, done) in self._warming.items()
+            if target == instance and n <= len(blocks) and tuple(blocks[:n]) == prefix
+        ]  # fmt: skip
+        if not pending:
+            return None
+        self.stats.parked_for_warm += 1
+        start = self.clock.now()
+        waits = [asyncio.create_task(done.wait()) for done in pending]
+        try:
+            await asyncio.wait(waits, timeout=self.transfer_timeout_s)
+        finally:
+            for task in waits:
+                task.cancel()
+        return self.clock.now() - start
 
     async def _offload(
         self, request: Request, decision: Decision, prompt: list[int], target_s: float
     ) -> RequestRecord:
-        """vLLM's Mooncake P/D protocol: the router names a transfer id; the prefiller
-        runs the prompt with `do_remote_decode` and max_tokens 1 while the decoder, told
-        the prefiller's bootstrap address and engine id, pulls the KV and decodes."""
+        """The prefill instance computes the prompt, its KV moves to the decode instance
+        through the connector, and the decode instance generates the output."""
         assert decision.prefill_instance is not None
         p, d = decision.prefill_instance, decision.instance
         self.stats.offloads += 1
-        transfer_id = f"xfer-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
         blocks = request.block_hashes
         self.state.begin(p, request.input_tokens, blocks)
         self.state.begin(d, request.input_tokens + request.output_tokens, blocks)
+        job = TransferJob(
+            producer=p, consumer=d, prompt=prompt, max_tokens=request.output_tokens,
+            cold=decision.prefill_cold, tag=self._tag("xfer", request),
+        )  # fmt: skip
         try:
-            try:
-                engine_id = await self.engine_id(p)
-            except Exception as exc:  # bootstrap unreachable: a failed request, not a crash
-                res = StreamResult(sent_s=self.clock.now(), error=f"Bootstrap:{type(exc).__name__}")
-                return self._record(request, decision, res, target_s)
-            produce, consume = self._mooncake_params(p, engine_id, transfer_id)
-            prefill_body = completion_payload(
-                self.model, prompt, 1, stream=False, kv_transfer_params=produce
-            )
-            if decision.prefill_cold:
-                # A prefill service without the session's cache: a unique salt makes vLLM's
-                # prefix cache miss, so the prefill is computed cold as the policy modeled.
-                prefill_body["cache_salt"] = f"cold-{transfer_id}"
-            decode_body = completion_payload(
-                self.model, prompt, request.output_tokens, kv_transfer_params=consume
-            )
-            prefill_task = asyncio.create_task(
-                self.client.stream_completion(self._url(p), prefill_body, self.clock)
-            )
-            decode = await self.client.stream_completion(self._url(d), decode_body, self.clock)
-            prefill = await prefill_task
+            result = await self.kv.transfer(self.io, job)
         finally:
             self.state.end(p, request.input_tokens)
             self.state.end(d, request.input_tokens + request.output_tokens)
-        if prefill.ok:
+        prefill, decode = result.prefill, result.consume
+        if prefill is not None and prefill.ok:
             self.state.prefilled(p, blocks)
         if decode.first_token_s is not None:
             self.state.prefilled(d, blocks)
-        if prefill.finish_s is not None:  # the KV moves once the producer's prefill is done
+        if prefill is not None and prefill.finish_s is not None:
+            # the KV moves once the producer's prefill is done
             landed = decode.first_token_s
             self.events.kv_transfer(
                 prefill.finish_s, max(landed, prefill.finish_s) if landed is not None else None,
                 self.endpoints[d].name, self.endpoints[p].name, request.input_tokens,
                 request_id=request.request_id,
             )  # fmt: skip
-        if not prefill.ok and decode.ok:
-            decode.ok, decode.error = False, f"Prefill:{prefill.error}"
+        if not result.ok:
+            self.stats.transfers_failed += 1
         record = self._record(request, decision, decode, target_s)
-        if prefill.finish_s is not None:
-            record.prefill_s = prefill.finish_s - prefill.sent_s
-            if decode.first_token_s is not None:
-                record.kv_transfer_s = max(0.0, decode.first_token_s - prefill.finish_s)
+        record.extra.update(result.record_extra())
+        if prefill is not None:
+            # the offloaded request's cache hit is the prefill instance's, as simulated
+            record.cached_tokens = int(prefill.cached_tokens or 0)
+            if prefill.finish_s is not None:
+                record.prefill_s = prefill.finish_s - prefill.sent_s
+                if decode.first_token_s is not None:
+                    record.kv_transfer_s = max(0.0, decode.first_token_s - prefill.finish_s)
         return record
 
     def _record(
@@ -330,7 +362,7 @@ class Router:
                 if prefill is not None and prefill != decision.instance
                 else None
             ),
-            extra={"chunks": res.chunks, "retried": int(res.retried)},
+            extra=_result_extra(res),
         )
 
     # warming ----------------------------------------------------------------------------
@@ -343,8 +375,8 @@ class Router:
         if key in self._warming:
             self.stats.warms_skipped_duplicate += 1
             return
-        self._warming.add(key)
         blocks = request.block_hashes[:n]
+        self._warming[key] = (tuple(blocks), asyncio.Event())
         # The router believes it from now on (as for a routed request).
         self.state.routed[action.target].add(blocks)
         task = asyncio.create_task(self._warm(action, key, blocks, tokens, request))
@@ -363,76 +395,77 @@ class Router:
         target = action.target
         start = self.clock.now()
         self.state.begin(target, len(tokens), ())
+        transfer: TransferResult | None = None
         try:
-            use_rdma = (
+            copy = (
                 action.mode == "rdma"
-                and self.connector == "mooncake"
+                and self.kv.moves_kv
                 and action.source is not None
                 and action.source != target
             )
-            if use_rdma:
+            if copy:  # copy the prefix's KV from the holder through the connector
                 assert action.source is not None
-                ok = await self._warm_transfer(action.source, target, tokens, request)
+                job = TransferJob(
+                    producer=action.source, consumer=target, prompt=tokens, max_tokens=1,
+                    stream=False, tag=self._tag("warm", request),
+                )  # fmt: skip
+                transfer = await self.kv.transfer(self.io, job)
+                res = transfer.consume
             else:  # speculative prefill: compute the prefix on the target itself
                 body = completion_payload(self.model, tokens, 1, stream=False)
                 res = await self.client.stream_completion(self._url(target), body, self.clock)
-                ok = res.ok
         finally:
             self.state.end(target, len(tokens))
-            self._warming.discard(key)
-        if ok:
+            _, landed = self._warming.pop(key)
+            landed.set()
+        entry: dict[str, Any] = {
+            "request_id": request.request_id,
+            "source": None if action.source is None else self.endpoints[action.source].name,
+            "target": self.endpoints[target].name,
+            "prefix_tokens": len(tokens),
+            "mode": "transfer" if transfer is not None else "prefill",
+            "ok": res.ok,
+            "error": res.error,
+            "start_s": round(start, 6),
+            "end_s": round(self.clock.now(), 6),
+        }
+        if transfer is not None:
+            entry.update(transfer.record_extra())
+        self.stats.warms.append(entry)
+        if res.ok:
             self.stats.warms_ok += 1
             self.stats.warm_s.append(self.clock.now() - start)
             self.state.prefilled(target, blocks)
         else:
             self.stats.warms_failed += 1
-        # (the try above either bound use_rdma or raised)
-        source = "" if not use_rdma or action.source is None else self.endpoints[action.source].name
+        copied = transfer is not None
+        source = self.endpoints[action.source].name if copied and action.source is not None else ""
         self.events.warm_copy(
-            start, self.clock.now() if ok else None, self.endpoints[target].name, source,
-            len(tokens), mode="rdma" if use_rdma else "prefill", request_id=request.request_id,
+            start, self.clock.now() if res.ok else None, self.endpoints[target].name, source,
+            len(tokens), mode="rdma" if copied else "prefill", request_id=request.request_id,
         )  # fmt: skip
-
-    def _mooncake_params(
-        self, producer: int, engine_id: str, transfer_id: str
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`kv_transfer_params` of one Mooncake transfer: the producer's (prefill for remote
-        decode) and the consumer's (pull from the producer's bootstrap server)."""
-        produce = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-        consume = {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "remote_bootstrap_addr": self.endpoints[producer].bootstrap_url,
-            "remote_engine_id": engine_id,
-            "transfer_id": transfer_id,
-        }
-        return produce, consume
-
-    async def _warm_transfer(
-        self, source: int, target: int, tokens: list[int], request: Request
-    ) -> bool:
-        """Copy the prefix's KV source → target with the connector: the source prefills
-        the prefix for remote decode (cache hit there), the target pulls it."""
-        try:
-            engine_id = await self.engine_id(source)
-        except Exception:
-            return False
-        transfer_id = f"warm-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
-        produce, consume = self._mooncake_params(source, engine_id, transfer_id)
-        src_body = completion_payload(
-            self.model, tokens, 1, stream=False, kv_transfer_params=produce
-        )
-        dst_body = completion_payload(
-            self.model, tokens, 1, stream=False, kv_transfer_params=consume
-        )
-        src_task = asyncio.create_task(
-            self.client.stream_completion(self._url(source), src_body, self.clock)
-        )
-        dst = await self.client.stream_completion(self._url(target), dst_body, self.clock)
-        src = await src_task
-        return src.ok and dst.ok
 
     async def drain(self) -> None:
         """Wait for warm transfers still in flight (they belong to this run)."""
         while self._warm_tasks:
             await asyncio.wait(set(self._warm_tasks))
+
+
+def _as_connector(connector: str | KVConnector | Connector) -> Connector:
+    if isinstance(connector, Connector):
+        return connector
+    from btb_lab.config.hypothesis import KVConnector
+
+    spec = KVConnector(type=connector) if isinstance(connector, str) else connector
+    return build_connector(spec)
+
+
+def _result_extra(res: StreamResult) -> dict[str, float | int | str]:
+    """Per-request facts kept in the record's `extra`: chunk count, retry, a digest of the
+    generated text (equal digests = equal greedy outputs), the server's error message."""
+    out: dict[str, float | int | str] = {"chunks": res.chunks, "retried": int(res.retried)}
+    if res.ok:
+        out["output_digest"] = hashlib.blake2b(res.text.encode(), digest_size=8).hexdigest()
+    elif res.detail:
+        out["error_detail"] = res.detail
+    return out

@@ -24,10 +24,12 @@ __all__ = [
     "PsutilSampler",
     "Sampler",
     "cache_hit_rates",
+    "kv_sources",
     "metrics_delta",
     "nvml_available",
     "parse_vllm_metrics",
     "scrape_all",
+    "scrape_one",
 ]
 
 # Our key → vLLM's metric family name (prometheus_client strips `_total` from counters).
@@ -43,17 +45,38 @@ VLLM_METRICS: dict[str, str] = {
     "generation_tokens": "vllm:generation_tokens",
 }
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
+# Counters split by a `source` label: our key prefix per family. Prompt tokens by where
+# their KV came from (local_compute, local_cache_hit, external_kv_transfer) and cached
+# prompt tokens by tier (device, host, p2p, disk, external_unspecified).
+BY_SOURCE: dict[str, str] = {
+    "vllm:prompt_tokens_by_source": "prompt_tokens",
+    "vllm:prompt_tokens_cached_by_source": "prompt_tokens_cached",
+}
+# NIXL connector histograms (key for the sum, key for the count) and counters.
+NIXL_HISTOGRAMS: dict[str, tuple[str, str | None]] = {
+    "vllm:nixl_xfer_time_seconds": ("nixl_xfer_s", "nixl_xfers"),
+    "vllm:nixl_post_time_seconds": ("nixl_post_s", None),
+    "vllm:nixl_bytes_transferred": ("nixl_bytes", None),
+}
+NIXL_COUNTERS: dict[str, str] = {
+    "vllm:nixl_num_failed_transfers": "nixl_failed_transfers",
+    "vllm:nixl_num_failed_notifications": "nixl_failed_notifications",
+}
 
 
 def parse_vllm_metrics(text: str) -> dict[str, Any]:
     """The vLLM metrics we use, summed over label sets (engines, models). The TTFT
-    histogram comes back as `ttft_count`, `ttft_sum` and cumulative `ttft_buckets`."""
+    histogram comes back as `ttft_count`, `ttft_sum` and cumulative `ttft_buckets`;
+    by-source counters as `prompt_tokens_<source>` / `prompt_tokens_cached_<source>`;
+    NIXL's transfer histograms as sums (`nixl_xfer_s`, `nixl_bytes`, …) and counts."""
     from prometheus_client.parser import text_string_to_metric_families
 
     # vLLM's multiprocess exposition declares counters as `<name>_total`, the plain
     # exposition as `<name>`: accept both spellings of every family.
     wanted = {family: key for key, family in VLLM_METRICS.items()}
-    wanted.update({f"{family}_total": key for key, family in VLLM_METRICS.items()})
+    wanted.update(NIXL_COUNTERS)
+    wanted.update({f"{family}_total": key for family, key in list(wanted.items())})
+    by_source = {**BY_SOURCE, **{f"{f}_total": k for f, k in BY_SOURCE.items()}}
     out: dict[str, Any] = {}
     buckets: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -63,6 +86,20 @@ def parse_vllm_metrics(text: str) -> dict[str, Any]:
                 if sample.name.endswith("_created"):
                     continue
                 out[key] = out.get(key, 0.0) + float(sample.value)
+        elif family.name in by_source:
+            prefix = by_source[family.name]
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                key = f"{prefix}_{sample.labels.get('source', 'unknown')}"
+                out[key] = out.get(key, 0.0) + float(sample.value)
+        elif family.name in NIXL_HISTOGRAMS:
+            sum_key, count_key = NIXL_HISTOGRAMS[family.name]
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    out[sum_key] = out.get(sum_key, 0.0) + float(sample.value)
+                elif count_key is not None and sample.name.endswith("_count"):
+                    out[count_key] = out.get(count_key, 0.0) + float(sample.value)
         elif family.name == TTFT_HISTOGRAM:
             for sample in family.samples:
                 if sample.name.endswith("_count"):
@@ -97,6 +134,45 @@ def cache_hit_rates(delta: Mapping[str, Mapping[str, Any]]) -> dict[str, float |
     return out
 
 
+def kv_sources(delta: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per instance over the run: prompt tokens served from its local prefix cache, from
+    KV that arrived through the connector, and computed there (vLLM's by-source counters;
+    engines without them fall back to the prefix-cache counters), plus what the NIXL
+    connector moved into it (bytes, transfer time, transfers, failures)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, d in sorted(delta.items()):
+        prompt = float(d.get("prompt_tokens", 0.0))
+        if "prompt_tokens_local_compute" in d:
+            local = float(d.get("prompt_tokens_local_cache_hit", 0.0))
+            external = float(d.get("prompt_tokens_external_kv_transfer", 0.0))
+            computed = float(d.get("prompt_tokens_local_compute", 0.0))
+        else:
+            local = float(d.get("prefix_cache_hits", 0.0))
+            external = float(d.get("external_prefix_cache_hits", 0.0))
+            computed = max(0.0, prompt - local - external)
+        out[name] = {
+            "prompt_tokens": prompt,
+            "local_hit_tokens": local,
+            "external_hit_tokens": external,
+            "computed_tokens": computed,
+            "kv_bytes": float(d.get("nixl_bytes", 0.0)),
+            "kv_transfer_s": float(d.get("nixl_xfer_s", 0.0)),
+            "kv_transfers": float(d.get("nixl_xfers", 0.0)),
+            "kv_failed_transfers": float(d.get("nixl_failed_transfers", 0.0)),
+        }
+    return out
+
+
+async def scrape_one(client: ClientPool, endpoint: Endpoint) -> dict[str, Any]:
+    """One instance's parsed /metrics, or {"error": <name>} (telemetry never fails a run)."""
+    try:
+        resp = await client.get(endpoint.base_url + "/metrics")
+        resp.raise_for_status()
+        return parse_vllm_metrics(resp.text)
+    except Exception as exc:
+        return {"error": type(exc).__name__}
+
+
 async def scrape_all(
     client: ClientPool, endpoints: Sequence[Endpoint]
 ) -> dict[str, dict[str, Any]]:
@@ -104,12 +180,7 @@ async def scrape_all(
     import asyncio
 
     async def one(ep: Endpoint) -> tuple[str, dict[str, Any]]:
-        try:
-            resp = await client.get(ep.base_url + "/metrics")
-            resp.raise_for_status()
-            return ep.name, parse_vllm_metrics(resp.text)
-        except Exception as exc:  # telemetry never fails a run
-            return ep.name, {"error": type(exc).__name__}
+        return ep.name, await scrape_one(client, ep)
 
     return dict(await asyncio.gather(*(one(ep) for ep in endpoints)))
 

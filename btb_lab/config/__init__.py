@@ -25,7 +25,7 @@ from btb_lab.config.hypothesis import (
     Variant,
     VerdictRule,
 )
-from btb_lab.config.launch import LaunchSettings
+from btb_lab.config.launch import LaunchSettings, RaySettings
 from btb_lab.config.metrics import METRICS, MetricDef, get_metric
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.variants import deep_merge, resolve_variant
@@ -46,6 +46,7 @@ __all__ = [
     "LaunchSettings",
     "MetricDef",
     "ModelShape",
+    "RaySettings",
     "RouterSpec",
     "SeedVerdict",
     "SimSettings",

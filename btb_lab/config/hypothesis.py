@@ -9,6 +9,7 @@ loader (`btb_lab.hypothesis.loader`), which imports those registries.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Any, Literal
 
 from pydantic import (
@@ -24,7 +25,14 @@ from pydantic import (
 from btb_lab.config.base import StrictModel
 from btb_lab.config.costs import CostSettings, move_sim_aliases
 from btb_lab.config.launch import LaunchSettings
+from btb_lab.config.limits import (
+    MAX_BOOTSTRAP_SAMPLES,
+    MAX_GPUS_PER_INSTANCE,
+    MAX_INSTANCES,
+    MAX_REPEATS,
+)
 from btb_lab.config.metrics import METRICS
+from btb_lab.config.profiles import apply_profile
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.workload import WorkloadSpec
 
@@ -39,6 +47,7 @@ __all__ = [
     "Hypothesis",
     "InstanceGroup",
     "KVConnector",
+    "KVRole",
     "ModelShape",
     "RouterSpec",
     "SeedVerdict",
@@ -65,17 +74,68 @@ class InstanceGroup(StrictModel):
     role: Literal["C", "PS"] = Field(
         "C", description="C: co-located prefill+decode; PS: prefill service."
     )
-    count: int = Field(1, ge=1, description="Instances of this role.")
+    count: int = Field(
+        1,
+        ge=1,
+        le=MAX_INSTANCES,
+        description=f"Instances of this role (at most {MAX_INSTANCES:,}: the simulator keeps "
+        "caches and utilization bins per instance).",
+    )
     gpu: str = Field("H100", description="GPU preset (A100, H100, H200, B200, B300, MI300X).")
-    gpus: int = Field(1, ge=1, description="GPUs per instance (tensor-parallel size).")
+    gpus: int = Field(
+        1,
+        ge=1,
+        le=MAX_GPUS_PER_INSTANCE,
+        description=f"GPUs per instance (tensor-parallel size; at most {MAX_GPUS_PER_INSTANCE:,}"
+        ", an NVL72 rack is 72).",
+    )
+
+
+KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 
 
 class KVConnector(StrictModel):
-    type: Literal["none", "mooncake"] = Field("none", description="KV transfer connector.")
-    role: Literal["kv_both", "kv_producer", "kv_consumer"] = Field(
-        "kv_both", description="vLLM kv_role of every instance."
+    type: Literal["none", "nixl", "example", "mooncake"] = Field(
+        "none",
+        description="KV transfer connector: nixl (vLLM's NixlConnector, CPU or CUDA buffers), "
+        "example (vLLM's ExampleConnector: KV handed over through a shared folder), mooncake.",
+    )
+    role: KVRole = Field("kv_both", description="vLLM kv_role of every instance.")
+    roles: dict[Literal["C", "PS"], KVRole] = Field(
+        default_factory=dict,
+        description="kv_role per instance role, overriding `role` (e.g. PS: kv_producer).",
     )
     protocol: str = Field("rdma", description="Mooncake transport protocol (rdma, tcp).")
+    kv_buffer_device: Literal["cpu", "cuda"] | None = Field(
+        None,
+        description="nixl: where KV is staged for transfer; defaults to cpu when "
+        "cluster.launch.device is cpu, else cuda.",
+    )
+    nixl_progress_delay_us: int | None = Field(
+        1000,
+        ge=1,
+        description="nixl: poll timeout of NIXL's UCX progress thread, which nixl's Python API "
+        "sets to 0 (a busy loop costing a core per instance); null runs vLLM's stock "
+        "NixlConnector unchanged.",
+    )
+    shared_storage_path: str | None = Field(
+        None,
+        description="example: folder the KV files go to (a fresh subfolder per launch, "
+        "removed at teardown); defaults to the system temp folder.",
+    )
+    transfer_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Read timeout of each leg of a KV transfer (producer prefill, consumer "
+        "fetch); a transfer that exceeds it is a failed request. Defaults to "
+        "cluster.launch.request_timeout_s.",
+    )
+    attribute_transfers: bool = Field(
+        True,
+        description="Serialize the KV fetches into each instance (from the consumer request "
+        "to its first token) so /metrics deltas give each request its own transferred tokens, "
+        "bytes and transfer time; false lets fetches overlap and counts them per instance only.",
+    )
 
 
 class ClusterSpec(StrictModel):
@@ -114,6 +174,11 @@ class Variant(StrictModel):
     @classmethod
     def _cost_aliases(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("sim"), dict):
+            if "profile" in data["sim"]:
+                raise ValueError(
+                    "sim.profile is set for the whole hypothesis, not per variant: write "
+                    "the settings this variant changes instead"
+                )
             data = dict(data)
             move_sim_aliases(data)
         return data
@@ -140,6 +205,15 @@ class Condition(StrictModel):
         if field is not None and field not in NUMERIC_FIELDS and op not in ("==", "!="):
             raise ValueError(f"{field} is text: use '==' or '!=' (got {op!r})")
         return op
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _finite_value(cls, value: Any) -> Any:
+        # One message instead of the union's two ("finite number", "valid string"): a NaN
+        # or infinite threshold would silently match no request.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
 
     @field_validator("value")
     @classmethod
@@ -233,7 +307,13 @@ class VerdictRule(StrictModel):
         "for others is PARTIALLY VALIDATED.",
     )
     confidence: float = Field(0.95, gt=0, lt=1, description="Bootstrap interval level.")
-    bootstrap_samples: int = Field(1000, ge=100, description="Bootstrap resamples.")
+    bootstrap_samples: int = Field(
+        1000,
+        ge=100,
+        le=MAX_BOOTSTRAP_SAMPLES,
+        description=f"Bootstrap resamples (at most {MAX_BOOTSTRAP_SAMPLES:,}: 10,000 already "
+        "gives a stable interval and each resample recomputes the metric).",
+    )
     min_ok_requests: int = Field(
         20, ge=1, description="Fewer successful requests per variant → INCONCLUSIVE."
     )
@@ -251,8 +331,13 @@ class VerdictRule(StrictModel):
 class AutoRepeats(StrictModel):
     """`repeats: auto`: add repeats until every primary interval is tight enough."""
 
-    min: int = Field(3, ge=2, description="Repeats run before the first check.")
-    max: int = Field(20, ge=2, description="Never more repeats than this.")
+    min: int = Field(3, ge=2, le=MAX_REPEATS, description="Repeats run before the first check.")
+    max: int = Field(
+        20,
+        ge=2,
+        le=MAX_REPEATS,
+        description=f"Never more repeats than this (at most {MAX_REPEATS:,}).",
+    )
     half_width: float | None = Field(
         None,
         gt=0,
@@ -306,8 +391,10 @@ class Hypothesis(StrictModel):
     repeats: int = Field(
         1,
         ge=1,
-        description="Repeats of every variant (each draws a new workload seed); `auto` "
-        "runs `auto_repeats.min` and adds repeats until the intervals are tight.",
+        le=MAX_REPEATS,
+        description=f"Repeats of every variant (at most {MAX_REPEATS:,}; each is a full run "
+        "and draws a new workload seed); `auto` runs `auto_repeats.min` and adds repeats "
+        "until the intervals are tight.",
     )
     auto_repeats: AutoRepeats | None = Field(
         None,
@@ -319,14 +406,18 @@ class Hypothesis(StrictModel):
 
     # `sim.<cost parameter>` spellings moved to `costs` while validating (aliases)
     _aliases: list[str] = PrivateAttr(default_factory=list)
+    # settings `sim.profile` supplied (the rest were written out)
+    _profile_set: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="wrap")
     @classmethod
     def _cost_aliases(cls, data: Any, handler: ModelWrapValidatorHandler[Hypothesis]) -> Hypothesis:
         notes: list[str] = []
+        profile_set: list[str] = []
         if isinstance(data, dict):
             data = dict(data)
             notes = move_sim_aliases(data)
+            profile_set = apply_profile(data)
             # `repeats: auto` turns auto_repeats on (its defaults when absent); an explicit
             # count (an override, `--repeats N`) turns it off
             if data.get("repeats") == "auto":
@@ -347,12 +438,18 @@ class Hypothesis(StrictModel):
                 data["variants"] = moved
         hyp = handler(data)
         hyp._aliases = notes
+        hyp._profile_set = profile_set
         return hyp
 
     @field_serializer("repeats")
     def _dump_repeats(self, repeats: int) -> int | str:
         # stored hypotheses (manifests) read back as they were written: `repeats: auto`
         return "auto" if self.auto_repeats is not None else repeats
+
+    @property
+    def profile_settings(self) -> list[str]:
+        """Dotted names whose value came from `sim.profile`, not from the file."""
+        return list(self._profile_set)
 
     @property
     def aliases(self) -> list[str]:

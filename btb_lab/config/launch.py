@@ -1,18 +1,68 @@
-"""Real-cluster launch settings (the `cluster.launch` block of a hypothesis)."""
+"""Real-cluster launch settings (the `cluster.launch` block of a hypothesis): where the
+servers run (local processes or Ray actors), how they start, and how they are reached."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MIN_SAMPLE_INTERVAL_S
 
-__all__ = ["LaunchSettings"]
+__all__ = ["LaunchSettings", "RaySettings"]
+
+Role = Literal["C", "PS"]
+
+
+class RaySettings(StrictModel):
+    """`cluster.launch.ray`: how instances are placed on a Ray cluster (backend: ray)."""
+
+    address: str | None = Field(
+        None,
+        description="Ray cluster to connect to (host:port or ray://…); unset: $RAY_ADDRESS, "
+        "or, without it, a Ray instance started on this machine for the run.",
+    )
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None,
+        description="Reserve every instance's resources at once in a placement group with "
+        "this strategy (SPREAD: one node per instance where possible); unset: each actor "
+        "is placed on its own.",
+    )
+    num_cpus: float = Field(
+        1.0, gt=0, description="Ray CPUs each instance's actor reserves (with its GPUs)."
+    )
+    resources: dict[Role, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Extra Ray resources per role, e.g. {PS: {prefill_node: 1}}, for nodes "
+        "started with `ray start --resources`.",
+    )
+    label_selector: dict[Role, dict[str, str]] = Field(
+        default_factory=dict,
+        description="Ray node labels per role (Ray ≥ 2.49), e.g. {C: {ray.io/accelerator-type: "
+        "H100}}.",
+    )
+    host: str | None = Field(
+        None,
+        description="Address every server binds to and is reached at; unset: its node's "
+        "address on the Ray network. 127.0.0.1 only when every node runs on this machine.",
+    )
+    poll_interval_s: float = Field(
+        0.5, gt=0, description="How often the driver pulls logs and utilization from actors."
+    )
 
 
 class LaunchSettings(StrictModel):
     """How to start (or attach to) vLLM servers for the cluster backend."""
+
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="local: servers are processes of this machine; ray: each server is "
+        "owned by a Ray actor placed on the cluster (see `ray`).",
+    )
+    ray: RaySettings = Field(
+        default_factory=RaySettings, description="Placement on Ray (backend: ray)."
+    )
 
     served_model: str | None = Field(
         None, description="Model path or name passed to vLLM (defaults to the model preset's)."
@@ -25,7 +75,9 @@ class LaunchSettings(StrictModel):
         description="endpoints mode with a KV connector: each endpoint's Mooncake bootstrap "
         "port (defaults to vLLM's 8998).",
     )
-    host: str = Field("127.0.0.1", description="Address servers bind to.")
+    host: str = Field(
+        "127.0.0.1", description="Address servers bind to (backend local; see ray.host)."
+    )
     extra_args: dict[str, list[str]] = Field(
         default_factory=dict, description="Extra vLLM arguments per role (C, PS)."
     )
@@ -57,13 +109,17 @@ class LaunchSettings(StrictModel):
         "model's config.json vocab_size when it is a local folder, else 32000.",
     )
     telemetry_interval_s: float = Field(
-        0.1, gt=0, description="Utilization sampling period (NVML or psutil); 0.1 = 10 Hz."
+        0.1,
+        ge=MIN_SAMPLE_INTERVAL_S,
+        description="Utilization sampling period (NVML or psutil); 0.1 = 10 Hz (at least "
+        f"{MIN_SAMPLE_INTERVAL_S:g} s: NVML itself updates utilization no faster).",
     )
     metrics_interval_s: float | None = Field(
         None,
-        gt=0,
+        ge=MIN_SAMPLE_INTERVAL_S,
         description="Also scrape every instance's /metrics this often during the run "
-        "(start and end are always scraped).",
+        f"(start and end are always scraped; at least {MIN_SAMPLE_INTERVAL_S:g} s, each "
+        "scrape is an HTTP request to every instance).",
     )
     router_cache_blocks: int = Field(
         100_000,
@@ -77,3 +133,14 @@ class LaunchSettings(StrictModel):
     max_connections: int = Field(
         2048, ge=1, description="Concurrent HTTP connections the load driver may open."
     )
+
+    @model_validator(mode="after")
+    def _ray_launches(self) -> LaunchSettings:
+        if self.backend == "ray" and self.endpoints:
+            raise ValueError(
+                "backend ray launches servers and endpoints attaches to running ones; "
+                "remove one of them"
+            )
+        if self.backend == "ray" and self.gpu_pool is not None:
+            raise ValueError("backend ray: Ray assigns the GPUs; remove gpu_pool")
+        return self

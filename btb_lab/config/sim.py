@@ -9,12 +9,21 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MIN_SAMPLE_INTERVAL_S
 
 __all__ = ["SimSettings"]
 
 
 class SimSettings(StrictModel):
     """The `sim:` block of a hypothesis (and of a variant's overrides)."""
+
+    profile: Literal["causal", "infer-sim"] = Field(
+        "causal",
+        description="A named set of defaults for this block, `costs:` and the routers' "
+        "params (config/profiles.py): causal (btb-lab's defaults) or infer-sim (the BTB "
+        "seed simulator's rules). Settings written out still win; the manifest records "
+        "the profile and every resolved value.",
+    )
 
     kv_visibility: Literal["after_prefill", "at_admission"] = Field(
         "after_prefill",
@@ -51,17 +60,78 @@ class SimSettings(StrictModel):
     max_batch: int = Field(256, ge=1, description="Continuous-batching limit per instance.")
     host_ram_tier: bool = Field(True, description="Evicted HBM blocks move to host RAM.")
     disk_tier: bool = Field(False, description="Blocks evicted from host RAM move to disk.")
-    host_ram_bytes: float = Field(
-        512e9, ge=0, description="Host RAM available for KV per instance."
+    host_ram_bytes: float | None = Field(
+        512e9,
+        ge=0,
+        description="Host RAM available for KV per instance; null: unbounded (the seed "
+        "simulator's host RAM is an unbounded set).",
     )
     transferred_kv_reusable: bool = Field(
         True,
         description="KV received from another instance enters the receiver's prefix cache "
         "and serves later turns (H6; only a real cluster can settle it).",
     )
-    sample_interval_s: float = Field(
-        1.0, gt=0, description="Utilization sampling period on the simulated clock."
+    window_replay: Literal["continuous", "fresh"] = Field(
+        "continuous",
+        description="How a workload of several trace windows (trace_ids) replays: one "
+        "after another on one cluster whose caches and queues carry over (continuous), or "
+        "each window on a fresh, empty cluster with a freshly seeded router, results pooled "
+        "(fresh: the seed simulator; on a real cluster, a restart or flush per window).",
     )
+    admission: Literal["serial", "all_that_fit"] = Field(
+        "serial",
+        description="When a queued request is admitted (its KV reserved): as its prefill "
+        "starts, one at a time (serial), or every queued request that fits the moment it "
+        "fits, head-of-line, their prefills then run one after another (all_that_fit: the "
+        "seed simulator; needs kv_visibility at_admission, whose blocks become visible at "
+        "that admission).",
+    )
+    prefix_cache_budget: Literal["unreserved", "whole"] = Field(
+        "unreserved",
+        description="HBM the prefix cache may fill: what admitted requests have not "
+        "reserved (one memory, counted once), or the whole KV budget regardless of "
+        "reservations (the seed simulator: the same memory counted twice, once by "
+        "admission and once by the cache).",
+    )
+    output_blocks_cached: bool = Field(
+        False,
+        description="At admission, a request's output blocks (ceil((input + output) / "
+        "block) − prompt blocks, each its own id) enter the HBM cache with its prompt, "
+        "taking cache space (the seed simulator); false: output KV is never cached.",
+    )
+    decode_steps: Literal["after_first_token", "output_tokens"] = Field(
+        "after_first_token",
+        description="Decode steps a request runs: output_tokens − 1 after the prefill "
+        "produced the first token (vLLM), or output_tokens starting from context = input "
+        "(the seed simulator: a 1-token request still runs one decode step).",
+    )
+    router_match_tiers: Literal["hbm", "hbm_ram"] = Field(
+        "hbm",
+        description="With router_view: resident, which tiers a cache-aware router's match "
+        "counts: HBM only, or HBM and host RAM (the seed simulator).",
+    )
+    warm_copy_blocks_target: bool = Field(
+        False,
+        description="A warm copy (RDMA) runs on the target's compute queue, ahead of "
+        "waiting work, and blocks it for the copy's duration; its blocks land when it ends "
+        "(the seed simulator; no link contention). False: copies use the target's RDMA "
+        "link beside its compute.",
+    )
+    sample_interval_s: float = Field(
+        1.0,
+        ge=MIN_SAMPLE_INTERVAL_S,
+        description="Utilization sampling period on the simulated clock (at least "
+        f"{MIN_SAMPLE_INTERVAL_S:g} s, ten times finer than the real cluster's 10 Hz; one "
+        "sample per instance per period is kept in memory).",
+    )
+
+    @model_validator(mode="after")
+    def _batch_admission_needs_visibility(self) -> SimSettings:
+        """An admitted request's prefill may start long after admission; with KV visible
+        only after prefill the engine would have to track two clocks per request."""
+        if self.admission == "all_that_fit" and self.kv_visibility != "at_admission":
+            raise ValueError("sim.admission: all_that_fit needs sim.kv_visibility: at_admission")
+        return self
 
     @model_validator(mode="after")
     def _shared_attention_needs_sharing(self) -> SimSettings:

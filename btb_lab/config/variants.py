@@ -48,4 +48,5 @@ def resolve_variant(hypothesis: Hypothesis, variant_name: str) -> Hypothesis:
         return hypothesis
     resolved = hypothesis.model_copy(update=update)
     resolved._aliases = hypothesis.aliases
+    resolved._profile_set = hypothesis.profile_settings
     return resolved

@@ -9,12 +9,11 @@ workload formats and generators, class names) import those registries statically
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from btb_lab.config.costs import CostSettings, ProfileRef, move_sim_aliases
@@ -27,6 +26,8 @@ from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS
 from btb_lab.model.profile import load_profile
 from btb_lab.policies import POLICIES, build_policy
 from btb_lab.workload.loader import validate_workload_spec
+from btb_lab.yamlio import MAX_YAML_NODES, PathKey, compose_yaml, parse_yaml_value
+from btb_lab.yamlio import dotted as _dotted
 
 __all__ = [
     "MAX_YAML_NODES",
@@ -36,12 +37,8 @@ __all__ = [
     "format_pydantic_errors",
     "load_hypothesis",
     "parse_hypothesis_text",
+    "parse_yaml_value",
 ]
-
-PathKey = tuple[str | int, ...]
-# A YAML file whose aliases expand to more nodes than this is refused before anything walks
-# it (a few anchors listing each other nine times expand to hundreds of millions of nodes).
-MAX_YAML_NODES = 200_000
 
 
 @dataclass
@@ -55,127 +52,40 @@ class LoadedHypothesis:
     raw_text: str
 
 
-# ---------------------------------------------------------------------------- YAML + lines
-
-
-def compose_yaml(text: str, path: Path | str) -> tuple[Any, dict[PathKey, int]]:
-    """Parse YAML keeping the 1-based line of every key and list item. Refuses, with a
-    line-numbered problem, syntax errors, duplicate keys (YAML would keep the last one
-    silently) and alias bombs (more than MAX_YAML_NODES nodes once aliases expand)."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, {}
-        _check_expansion(node, path)
-        problems: list[str] = []
-        lines: dict[PathKey, int] = {(): node.start_mark.line + 1}
-        _walk_lines(node, (), lines, problems, path, set())
-        if problems:
-            raise ValidationFailed(problems)
-        data = loader.construct_document(node)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else 1
-        problem = exc.problem or exc.context or "invalid YAML"
-        raise ValidationFailed([f"{path}:{line}: YAML syntax error: {problem}"]) from None
-    except yaml.YAMLError as exc:
-        raise ValidationFailed([f"{path}:1: YAML error: {exc}"]) from None
-    finally:
-        loader.dispose()
-    return data, lines
-
-
-def _check_expansion(root: yaml.Node, path: Path | str) -> None:
-    """Nodes the document has once every alias is expanded, counted per distinct node."""
-    sizes: dict[int, int] = {}
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if id(node) in sizes:
-            continue
-        children = _children(node)
-        if done:
-            total = 1 + sum(sizes[id(c)] for c in children)
-            sizes[id(node)] = total
-            if total > MAX_YAML_NODES:
-                line = node.start_mark.line + 1
-                message = (
-                    f"{path}:{line}: (YAML): aliases expand to more than {MAX_YAML_NODES:,} "
-                    "nodes; refusing to load (an alias bomb?)"
-                )
-                raise ValidationFailed([message])
-            continue
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if id(c) not in sizes)
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
-
-
-def _walk_lines(
-    node: yaml.Node,
-    prefix: PathKey,
-    lines: dict[PathKey, int],
-    problems: list[str],
-    path: Path | str,
-    seen: set[int],
-) -> None:
-    if id(node) in seen:  # an alias of a node already walked: its lines are known
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        first: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
-            line = key_node.start_mark.line + 1
-            here = (*prefix, key)
-            if key in first and key != "<<":
-                problems.append(
-                    f"{path}:{line}: {_dotted(here)}: duplicate key {key!r} "
-                    f"(first given at line {first[key]})"
-                )
-            first.setdefault(key, line)
-            lines.setdefault(here, line)
-            _walk_lines(value_node, here, lines, problems, path, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            here = (*prefix, index)
-            lines.setdefault(here, item.start_mark.line + 1)
-            _walk_lines(item, here, lines, problems, path, seen)
-
-
 # ---------------------------------------------------------------------------- overrides
 
 
-def _coerce_segment(container: Any, segment: str) -> str | int:
+def _coerce_segment(container: Any, segment: str, where: str) -> str | int:
     if isinstance(container, list):
         try:
             return int(segment)
         except ValueError:
-            raise UserError(f"override segment {segment!r} must index a list") from None
+            raise UserError(f"{where}: segment {segment!r} must index a list") from None
     return segment
 
 
-def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def apply_overrides(
+    data: dict[str, Any],
+    overrides: Mapping[str, Any],
+    origins: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """Return a copy of `data` with dotted-path overrides applied (`a.b.0.c`: integer
-    segments index lists); missing mappings along the path are created."""
+    segments index lists); missing mappings along the path are created. `origins` names
+    where each override came from (`--set a.b`, `sweep.yaml:12`) for error messages."""
     result = copy.deepcopy(data)
     for dotted, value in overrides.items():
+        where = (origins or {}).get(dotted) or f"override {dotted!r}"
         segments = dotted.split(".")
+        if not all(segments):
+            raise UserError(f"{where}: {dotted!r} has an empty path segment")
         node: Any = result
         for depth, raw in enumerate(segments):
-            seg = _coerce_segment(node, raw)
+            seg = _coerce_segment(node, raw, where)
             last = depth == len(segments) - 1
             if isinstance(node, list):
                 assert isinstance(seg, int)
                 if not -len(node) <= seg < len(node):
-                    raise UserError(f"override {dotted!r}: index {seg} out of range")
+                    raise UserError(f"{where}: {dotted}: index {seg} out of range")
                 if last:
                     node[seg] = value
                 else:
@@ -188,8 +98,40 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
                         node[seg] = {}
                     node = node[seg]
             else:
-                raise UserError(f"override {dotted!r}: {raw!r} is inside a scalar value")
+                raise UserError(f"{where}: {dotted}: {raw!r} is inside a scalar value")
     return result
+
+
+@dataclass
+class _Where:
+    """Where a field path was written: `FILE:LINE`, or the override that set it (`--set
+    repeats`, `sweep.yaml:14: grid.repeats`) when one did, so a bad override is never
+    blamed on a line of the hypothesis file."""
+
+    file: Path | str
+    lines: Mapping[PathKey, int]
+    overrides: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
+
+    def __call__(self, path: PathKey) -> str:
+        key = tuple(str(p) for p in path)
+        for prefix, origin in self.overrides:
+            if key[: len(prefix)] == prefix:
+                return origin
+        return f"{self.file}:{_line_for(path, self.lines)}"
+
+
+def _where(
+    file: Path | str,
+    lines: Mapping[PathKey, int],
+    overrides: Mapping[str, Any] | None,
+    origins: Mapping[str, str] | None,
+) -> _Where:
+    pairs = [
+        (tuple(dotted.split(".")), (origins or {}).get(dotted) or f"override {dotted}")
+        for dotted in overrides or {}
+    ]
+    pairs.sort(key=lambda pair: -len(pair[0]))  # the most specific override first
+    return _Where(file, lines, pairs)
 
 
 # ---------------------------------------------------------------------------- error formatting
@@ -229,10 +171,6 @@ def _line_for(path: PathKey, lines: Mapping[PathKey, int]) -> int:
     return 1
 
 
-def _dotted(path: PathKey) -> str:
-    return ".".join(str(p) for p in path) or "(top level)"
-
-
 def format_pydantic_errors(
     exc: ValidationError,
     *,
@@ -240,9 +178,12 @@ def format_pydantic_errors(
     data: Any,
     lines: Mapping[PathKey, int],
     prefix: PathKey = (),
+    where: Callable[[PathKey], str] | None = None,
 ) -> list[str]:
     """One `FILE:LINE: field.path: message` line per pydantic error. `prefix` places the
-    validated object inside the file (e.g. a variant's `sim` overrides)."""
+    validated object inside the file (e.g. a variant's `sim` overrides); `where` says
+    where a path was written (default: its line in `file`)."""
+    locate = where or _Where(file, lines)
     problems: list[str] = []
     seen: set[str] = set()
     for err in exc.errors():
@@ -263,7 +204,7 @@ def format_pydantic_errors(
             message = "required field is missing"
         if message.startswith("Value error, "):
             message = message[len("Value error, ") :]
-        line = f"{file}:{_line_for(full, lines)}: {_dotted(full)}: {message}"
+        line = f"{locate(full)}: {_dotted(full)}: {message}"
         if line not in seen:
             seen.add(line)
             problems.append(line)
@@ -273,20 +214,20 @@ def format_pydantic_errors(
 # ---------------------------------------------------------------------------- semantic checks
 
 
-def _move_aliases(data: dict[str, Any], lines: dict[PathKey, int], file: Path) -> list[str]:
+def _move_aliases(
+    data: dict[str, Any], lines: dict[PathKey, int], file: Path, where: _Where
+) -> list[str]:
     """`sim.<cost parameter>` → `costs.<parameter>` (also inside variants), keeping each
     moved key's line so a bad value is still reported where it was written."""
     notes: list[str] = []
 
     def move(block: dict[str, Any], prefix: PathKey) -> None:
         sim_keys = dict(block["sim"]) if isinstance(block.get("sim"), dict) else {}
-        where = "".join(f"{p}." for p in prefix)
+        dotted = "".join(f"{p}." for p in prefix)
         try:
-            found = move_sim_aliases(block, where=where)
+            found = move_sim_aliases(block, where=dotted)
         except ValueError as exc:
-            raise ValidationFailed([
-                f"{file}:{_line_for((*prefix, 'sim'), lines)}: {where}sim: {exc}"
-            ]) from None  # fmt: skip
+            raise ValidationFailed([f"{where((*prefix, 'sim'))}: {dotted}sim: {exc}"]) from None
         for key in sim_keys:
             if key not in block["sim"]:
                 lines.setdefault((*prefix, "costs", key), _line_for((*prefix, "sim", key), lines))
@@ -303,8 +244,9 @@ def _move_aliases(data: dict[str, Any], lines: dict[PathKey, int], file: Path) -
 
 
 def _variant_block_problems(
-    hyp: Hypothesis, *, file: Path, data: dict[str, Any], lines: Mapping[PathKey, int]
-) -> list[str]:
+    hyp: Hypothesis, *, file: Path, data: dict[str, Any], lines: Mapping[PathKey, int],
+    where: _Where,
+) -> list[str]:  # fmt: skip
     """Each variant's `sim`, `costs` and `cluster` overrides merged into the top-level block
     and validated, so a bad override is reported at its own line."""
     problems: list[str] = []
@@ -322,19 +264,20 @@ def _variant_block_problems(
                 model.model_validate(deep_merge(base.model_dump(by_alias=True), over))
             except ValidationError as exc:
                 problems += format_pydantic_errors(
-                    exc, file=file, data=data, lines=lines, prefix=("variants", vname, block)
-                )
+                    exc, file=file, data=data, lines=lines, prefix=("variants", vname, block),
+                    where=where,
+                )  # fmt: skip
     return problems
 
 
 def _semantic_problems(
     hyp: Hypothesis, *, file: Path, data: dict[str, Any], lines: Mapping[PathKey, int],
-    base_dir: Path,
+    base_dir: Path, where: _Where,
 ) -> list[str]:  # fmt: skip
     problems: list[str] = []
 
     def add(path: PathKey, message: str) -> None:
-        problems.append(f"{file}:{_line_for(path, lines)}: {_dotted(path)}: {message}")
+        problems.append(f"{where(path)}: {_dotted(path)}: {message}")
 
     # policies and their parameters
     for name, variant in hyp.variants.items():
@@ -348,13 +291,13 @@ def _semantic_problems(
         except ValidationError as exc:
             problems += format_pydantic_errors(
                 exc, file=file, data=data, lines=lines,
-                prefix=("variants", name, "router", "params"),
+                prefix=("variants", name, "router", "params"), where=where,
             )  # fmt: skip
         except UserError as exc:
             add(policy_path, str(exc))
 
     # variant overrides of sim / costs / cluster
-    block_problems = _variant_block_problems(hyp, file=file, data=data, lines=lines)
+    block_problems = _variant_block_problems(hyp, file=file, data=data, lines=lines, where=where)
     problems += block_problems
 
     # cost profiles (top level and per variant), read and checked now, not at run time
@@ -367,9 +310,11 @@ def _semantic_problems(
         ]  # fmt: skip
     for path, chosen in profiles:
         if isinstance(chosen, ProfileRef):
-            where = Path(chosen.profile)
+            profile_path = Path(chosen.profile)
             try:
-                load_profile(where if where.is_absolute() else base_dir / where)
+                load_profile(
+                    profile_path if profile_path.is_absolute() else base_dir / profile_path
+                )
             except UserError as exc:
                 add((*path, "model", "profile"), str(exc))
 
@@ -444,29 +389,40 @@ def parse_hypothesis_text(
     file: Path,
     base_dir: Path,
     overrides: Mapping[str, Any] | None = None,
+    origins: Mapping[str, str] | None = None,
 ) -> Hypothesis:
-    """Validate hypothesis YAML text; raise `ValidationFailed` listing every problem."""
+    """Validate hypothesis YAML text; raise `ValidationFailed` listing every problem.
+    `origins` names where each override came from, for its error messages."""
     data, lines = compose_yaml(text, file)
     if not isinstance(data, dict):
         raise ValidationFailed([f"{file}:1: (top level): expected a mapping of hypothesis fields"])
     if overrides:
-        data = apply_overrides(data, overrides)
-    notes = _move_aliases(data, lines, file)
+        data = apply_overrides(data, overrides, origins)
+    where = _where(file, lines, overrides, origins)
+    notes = _move_aliases(data, lines, file, where)
     try:
         hyp = Hypothesis.model_validate(data)
     except ValidationError as exc:
         raise ValidationFailed(
-            format_pydantic_errors(exc, file=file, data=data, lines=lines)
+            format_pydantic_errors(exc, file=file, data=data, lines=lines, where=where)
         ) from None
     hyp._aliases = notes
-    problems = _semantic_problems(hyp, file=file, data=data, lines=lines, base_dir=base_dir)
+    problems = _semantic_problems(
+        hyp, file=file, data=data, lines=lines, base_dir=base_dir, where=where
+    )
     if problems:
         raise ValidationFailed(problems)
     return hyp
 
 
-def load_hypothesis(path: Path, overrides: dict[str, Any] | None = None) -> LoadedHypothesis:
-    """Read, override, validate and check a hypothesis file."""
+def load_hypothesis(
+    path: Path,
+    overrides: dict[str, Any] | None = None,
+    origins: Mapping[str, str] | None = None,
+) -> LoadedHypothesis:
+    """Read, override, validate and check a hypothesis file. `origins` maps each override
+    key to where it was given (`--set repeats`), named instead of a line of the file when
+    that override is what is wrong."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -479,5 +435,7 @@ def load_hypothesis(path: Path, overrides: dict[str, Any] | None = None) -> Load
     except OSError as exc:
         raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
     base_dir = path.resolve().parent
-    hyp = parse_hypothesis_text(text, file=path, base_dir=base_dir, overrides=overrides)
+    hyp = parse_hypothesis_text(
+        text, file=path, base_dir=base_dir, overrides=overrides, origins=origins
+    )
     return LoadedHypothesis(hypothesis=hyp, path=path, base_dir=base_dir, raw_text=text)

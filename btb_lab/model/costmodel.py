@@ -5,7 +5,11 @@ these costs) and to the policies of either backend (through the `CostModel` prot
 
 `RooflineCostModel` is the roofline: compute-bound prefill at MFU, decode steps that read
 the active weights once and every context token's KV at MBU × HBM bandwidth, KV moved over
-each tier's bandwidth plus a fixed transfer setup latency.
+each tier's bandwidth plus a fixed transfer setup latency. A fitted profile
+(`model.profile`) adds a fixed cost per prefill, prefill attention over the context, a
+cost per cached prefix token and a cost per running sequence per decode step; the formulas
+here (`InstanceCosts.prefill_s`, `kv_move_s`) are the ones the engine charges, so a policy
+pricing work with this model prices what the simulator will do.
 """
 
 from __future__ import annotations
@@ -40,6 +44,26 @@ class InstanceCosts:
     prefill_cached_token_s: float = 0.0  # per cached prompt token brought into use
     decode_seq_s: float = 0.0  # per running sequence per decode step
 
+    @property
+    def prefill_terms(self) -> bool:
+        """Whether a prefill costs more than its per-token compute (a fitted profile)."""
+        return bool(
+            self.prefill_fixed_s or self.prefill_context_token_s or self.prefill_cached_token_s
+        )
+
+    def prefill_s(self, new_tokens: float, cached_tokens: float = 0) -> float:
+        """One prefill of `new_tokens` on top of `cached_tokens` already in use: the fixed
+        cost, compute per new token, attention of each new token over the context before
+        it (`cached_tokens + new_tokens / 2` on average), and bringing the cached prefix
+        into use. With only the per-token term (the roofline) the sum is that term, to the
+        bit."""
+        return (
+            self.prefill_fixed_s
+            + new_tokens * self.prefill_token_s
+            + self.prefill_context_token_s * new_tokens * (cached_tokens + new_tokens / 2)
+            + self.prefill_cached_token_s * cached_tokens
+        )
+
 
 class RooflineCostModel:
     """Costs of every instance of one variant's cluster (index order = instance order)."""
@@ -64,14 +88,14 @@ class RooflineCostModel:
         )
 
     # CostModel (policies) -----------------------------------------------------------------
-    def prefill_s(self, instance: int, tokens: int) -> float:
-        """Computing `tokens` uncached prompt tokens on `instance`."""
-        return tokens * self.per_instance[instance].prefill_token_s
+    def prefill_s(self, instance: int, tokens: int, cached_tokens: int = 0) -> float:
+        """Prefilling `tokens` uncached prompt tokens on `instance` after `cached_tokens`
+        of cached prefix (`InstanceCosts.prefill_s`, as the engine charges it)."""
+        return self.per_instance[instance].prefill_s(tokens, cached_tokens)
 
     def transfer_s(self, tokens: int, source: int, target: int) -> float:
-        """Setup latency + the KV of `tokens` over the slower of the two RDMA links."""
-        kvb = self.instances[target].kv_bytes_per_token
-        return self.transfer_setup_s + tokens * kvb / self.link_bw(source, target)
+        """Setup latency + moving the KV of `tokens` (`kv_move_s`)."""
+        return self.transfer_setup_s + self.kv_move_s(tokens, source, target)
 
     def load_s(self, instance: int, tokens: int, tier: str) -> float:
         """Making `tokens` of KV resident on `instance` from `tier` (hbm, ram, rdma, disk)."""
@@ -79,6 +103,12 @@ class RooflineCostModel:
         return tokens * spec.kv_bytes_per_token / tier_bandwidth(spec, tier)
 
     # engine --------------------------------------------------------------------------------
+    def kv_move_s(self, tokens: int, source: int, target: int) -> float:
+        """Moving the KV of `tokens` from `source` to `target` once the transfer is set up:
+        the target's KV bytes over the slower RDMA link."""
+        kvb = self.instances[target].kv_bytes_per_token
+        return tokens * kvb / self.link_bw(source, target)
+
     def link_bw(self, source: int, target: int) -> float:
         """Bytes/s of a KV copy from `source` to `target`: the slower RDMA link."""
         return min(self.instances[source].rdma_bw, self.instances[target].rdma_bw)

@@ -99,16 +99,34 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # GLM-4.5 (355B total / 32B active MoE, 92 layers, 8 KV heads × 128). int4 weights
     # (AWQ/GPTQ) so it fits 4×H100 as in the seed's glm45_h100x4 setup; bf16 KV.
     "glm45": ModelSpec("glm45", 355e9, 32e9, 0.5, 92, 8, 128),
-    # The seed's glm52 setup is GLM-4.6 (same shape as GLM-4.5) on 8×H100; fp8 weights
-    # (the official -FP8 checkpoint), bf16 KV.
-    "glm52": ModelSpec("glm52", 355e9, 32e9, 1, 92, 8, 128),
+    # GLM-4.6 (same shape as GLM-4.5, 355B / 32B active) with fp8 weights (the official
+    # -FP8 checkpoint), bf16 KV. (Not the seed's `glm52` setup: that is `seed-glm52`.)
+    "glm46": ModelSpec("glm46", 355e9, 32e9, 1, 92, 8, 128),
     # Kimi K2 (1.04T total / 32B active, 61 layers, MLA). MLA caches one 576-wide latent
     # per layer (kv_lora_rank 512 + rope 64), modeled as 1 head × 288 for K and V; int4
     # weights (as Kimi-K2-Thinking ships) so it fits 8×H100.
     "kimi-k2": ModelSpec("kimi-k2", 1.04e12, 32e9, 0.5, 61, 1, 288),
-    # A hypothetical dense 1T model (the seed's dense1t on 4×B300): 120 layers, GQA with
-    # 16 KV heads × 128, fp8 weights, bf16 KV.
-    "dense1t": ModelSpec("dense1t", 1e12, 1e12, 1, 120, 16, 128),
+    # A hypothetical dense 1T model: 120 layers, GQA with 16 KV heads × 128, fp8 weights,
+    # bf16 KV (983,040 B/token). (The seed's dense1t is `seed-dense1t`.)
+    "dense1t-gqa16": ModelSpec("dense1t-gqa16", 1e12, 1e12, 1, 120, 16, 128),
+    # The BTB seed simulator's six setups, exactly as it defines them (SEED-SIMULATOR.md):
+    # one dtype for weights and KV; KV bytes/token = 2 × layers × KV heads × head dim ×
+    # dtype bytes gives the seed's figures (327,680 / 147,456 / 47,104 / 22,464 / 62,464 /
+    # 245,760). The shapes behind the MoE and MLA figures are the seed's arithmetic, not
+    # the released checkpoints' configs.
+    "seed-llama-3.3-70b": ModelSpec("seed-llama-3.3-70b", 70.6e9, 70.6e9, 2, 80, 8, 128, 2),
+    "seed-qwen3-8b": ModelSpec("seed-qwen3-8b", 8.19e9, 8.19e9, 2, 36, 8, 128, 2),
+    "seed-glm45": ModelSpec("seed-glm45", 355e9, 32e9, 0.5, 92, 4, 128, 0.5),
+    "seed-glm52": ModelSpec("seed-glm52", 744e9, 40e9, 0.5, 78, 1, 288, 0.5),
+    "seed-kimi-k2": ModelSpec("seed-kimi-k2", 1e12, 32e9, 0.5, 61, 8, 128, 0.5),
+    "seed-dense1t": ModelSpec("seed-dense1t", 1e12, 1e12, 1, 120, 8, 128, 1),
+}
+
+
+# Names that promised the seed's model while meaning another; asking for one says which.
+RENAMED_PRESETS = {
+    "glm52": "use glm46 (GLM-4.6, fp8 weights, bf16 KV) or seed-glm52 (the seed's setup)",
+    "dense1t": "use dense1t-gqa16 (16 KV heads, bf16 KV) or seed-dense1t (the seed's setup)",
 }
 
 
@@ -121,6 +139,8 @@ def resolve_model(model: str | ModelShape) -> ModelSpec:
     """A preset by name, or an explicit `ModelShape` from a hypothesis file."""
     if isinstance(model, str):
         key = model.lower()
+        if key in RENAMED_PRESETS:
+            raise UserError(f"model {model!r} was renamed: {RENAMED_PRESETS[key]}")
         if key not in MODEL_PRESETS:
             raise UserError(
                 f"unknown model {model!r}; choose one of: {', '.join(sorted(MODEL_PRESETS))} "

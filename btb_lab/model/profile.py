@@ -123,20 +123,33 @@ class EngineProfile(_Strict):
 
 def load_profile(path: Path) -> tuple[EngineProfile, str]:
     """A profile and the sha256 of its file (a UserError naming the file and field)."""
+    from btb_lab.yamlio import compose_yaml
+
     try:
         raw = path.read_bytes()
-        data = yaml.safe_load(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: no such profile file (make one with `btb-lab calibrate`)") \
             from None  # fmt: skip
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: unreadable profile: {exc}") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a profile file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: unreadable profile: not a text (UTF-8) file") from None
+    except OSError as exc:
+        raise UserError(f"{path}: unreadable profile: {exc.strerror or exc}") from None
+    # the hypothesis loader's checks: no tags, duplicate keys, control characters or
+    # alias bombs; every problem names its line
+    data, lines = compose_yaml(text, path)
     try:
         profile = EngineProfile.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise UserError(f"{path}: {where}: {first['msg']}") from None
+        loc = tuple(first["loc"])
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        while loc and loc not in lines:
+            loc = loc[:-1]
+        line = lines.get(loc, 1)
+        raise UserError(f"{path}:{line}: {where}: {first['msg']}") from None
     return profile, hashlib.sha256(raw).hexdigest()
 
 
@@ -179,14 +192,13 @@ class ProfileCostModel(RooflineCostModel):
             decode_seq_s=d.per_seq_s,
         )
 
-    def prefill_s(self, instance: int, tokens: int) -> float:
-        return self.profile.prefill_s(tokens)
-
-    def transfer_s(self, tokens: int, source: int, target: int) -> float:
+    def kv_move_s(self, tokens: int, source: int, target: int) -> float:
+        """The fitted per-token transfer cost when the profile measured transfers (its
+        fixed cost is `transfer_setup_s`), else the link bandwidth."""
         t = self.profile.transfer
         if t is None:
-            return super().transfer_s(tokens, source, target)
-        return t.fixed_s + t.per_token_s * tokens
+            return super().kv_move_s(tokens, source, target)
+        return t.per_token_s * tokens
 
     def facts(self) -> dict[str, Any]:
         facts = super().facts()

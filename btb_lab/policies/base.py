@@ -50,7 +50,10 @@ class InstanceLoad:
 class CostModel(Protocol):
     """Modeled costs a cost-based policy may consult (same formulas in both worlds)."""
 
-    def prefill_s(self, instance: int, tokens: int) -> float: ...
+    def prefill_s(self, instance: int, tokens: int, cached_tokens: int = 0) -> float:
+        """Prefilling `tokens` uncached prompt tokens after `cached_tokens` of cached
+        prefix on `instance` (a fitted profile charges for the context and the cache)."""
+        ...
 
     def transfer_s(self, tokens: int, source: int, target: int) -> float: ...
 

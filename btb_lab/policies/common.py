@@ -1,9 +1,11 @@
 """Selection helpers every policy family shares: which instances serve, and the explicit
-tie-break rules (lowest load, then lowest index) that keep routing deterministic.
+tie-break rules that keep routing deterministic: the lowest index by default, or a draw
+from the policy's own seeded stream (`tie_break: random`, the seed simulator's rule).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -16,6 +18,7 @@ __all__ = [
     "is_imbalanced",
     "least_load",
     "least_outstanding",
+    "pick_tie",
     "prefill_service",
     "require_params",
     "serving",
@@ -53,16 +56,37 @@ def prefill_service(view: ClusterView, policy: str) -> list[InstanceLoad]:
     return ps
 
 
-def least_load(candidates: Sequence[InstanceLoad]) -> InstanceLoad:
-    """Fewest running + waiting requests; ties go to the lowest index. (A plain loop:
-    this runs for nearly every simulated request.)"""
+def least_load(
+    candidates: Sequence[InstanceLoad], rng: random.Random | None = None
+) -> InstanceLoad:
+    """Fewest running + waiting requests; ties go to the lowest index, or with `rng` to a
+    seeded draw among the tied. (A plain loop: this runs for nearly every simulated
+    request.)"""
     best = candidates[0]
     best_load = best.running + best.waiting
+    if rng is not None:
+        tied = [best]
+        for inst in candidates[1:]:
+            load = inst.running + inst.waiting
+            if load < best_load:
+                best, best_load, tied = inst, load, [inst]
+            elif load == best_load:
+                tied.append(inst)
+        return pick_tie(tied, rng)
     for inst in candidates[1:]:
         load = inst.running + inst.waiting
         if load < best_load or (load == best_load and inst.index < best.index):
             best, best_load = inst, load
     return best
+
+
+def pick_tie(tied: Sequence[InstanceLoad], rng: random.Random) -> InstanceLoad:
+    """One of equally good instances, drawn from `rng` (index order first, so the same
+    stream gives the same choice in both worlds)."""
+    if len(tied) == 1:
+        return tied[0]
+    ordered = sorted(tied, key=lambda inst: inst.index)
+    return ordered[rng.randrange(len(ordered))]
 
 
 def least_outstanding(candidates: Sequence[InstanceLoad]) -> InstanceLoad:

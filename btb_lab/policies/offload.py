@@ -14,19 +14,27 @@ instance C_s (route = the class). The policies differ only in what a HEAVY reque
   pulls the KV and decodes, and the session moves there. Route HEAVY_OFFLOAD.
 * `cache_gate` (H4): offload_decode only when the cached fraction of the prompt on C_s is
   at least `threshold`; cold HEAVY stays on C_s (HEAVY_COLO).
+
+`pd_split` is the full PD-separation baseline the log calls "net negative (memory wall)":
+a dedicated prefill pool (PS-role instances, with their prefix caches) prefills every
+request, whatever its class, and a dedicated decode pool (C-role instances) decodes it
+after pulling the KV. No session sticks to a decode instance; a session's context stays
+in the prefill pool's cache, so later turns go to the prefill instance holding it.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.errors import UserError
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
 from btb_lab.policies.common import (
     cached_tokens,
     least_load,
+    least_outstanding,
     prefill_service,
     require_params,
     serving,
@@ -39,6 +47,8 @@ __all__ = [
     "CacheGateParams",
     "OffloadDecode",
     "OffloadParams",
+    "PDSplit",
+    "PDSplitParams",
     "PSAlways",
     "PSCost",
     "PSCostParams",
@@ -51,6 +61,7 @@ HEAVY = "HEAVY"
 ROUTE_PS = "PS"
 ROUTE_HEAVY_COLO = "HEAVY_COLO"
 ROUTE_HEAVY_OFFLOAD = "HEAVY_OFFLOAD"
+ROUTE_PD = "PD"
 
 
 class OffloadParams(StrictModel):
@@ -232,7 +243,8 @@ class PSCost(_Offload):
             view, home, request.block_hashes, request.block_tokens, request.input_tokens
         )
         uncached = request.input_tokens - cached
-        return view.costs.prefill_s(home, uncached) + self.cost_cfg.interference_s
+        prefill_s = view.costs.prefill_s(home, uncached, cached_tokens=cached)
+        return prefill_s + self.cost_cfg.interference_s
 
     def _heavy(
         self,
@@ -288,3 +300,53 @@ class CacheGate(_Offload):
         if self._cached_fraction(request, view, home.index) >= self.gate_cfg.threshold:
             return self._offload_decode(request, home, candidates)
         return Decision(instance=home.index, route=ROUTE_HEAVY_COLO)
+
+
+class PDSplitParams(StrictModel):
+    """How each pool picks its instance."""
+
+    prefill_pick: Literal["cache_aware", "least_load"] = Field(
+        "cache_aware",
+        description="Prefill instance: the longest prefix match in the prefill pool (ties "
+        "by load, then index), or the least-loaded one.",
+    )
+    decode_pick: Literal["least_load", "least_outstanding"] = Field(
+        "least_load",
+        description="Decode instance: fewest running + waiting requests, or fewest "
+        "outstanding tokens (KV the instance has yet to hold).",
+    )
+
+
+@POLICIES.register("pd_split")
+class PDSplit(Policy):
+    """Full PD separation: every request prefills in the PS pool and decodes in the C pool.
+    Route PD."""
+
+    name: ClassVar[str] = "pd_split"
+    Params: ClassVar[type[StrictModel]] = PDSplitParams
+
+    def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
+        super().__init__(params, seed=seed)
+        self.cfg = require_params(params, PDSplitParams)
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        prefill_pool = prefill_service(view, self.name)
+        decode_pool = [inst for inst in view.instances if inst.role == "C"]
+        if not decode_pool:
+            raise UserError(
+                f"policy {self.name!r} needs at least one instance with role C (the decode "
+                "pool) in cluster.instances"
+            )
+        if self.cfg.prefill_pick == "cache_aware" and request.block_hashes:
+            blocks = request.block_hashes
+            prefill = min(
+                prefill_pool,
+                key=lambda i: (-view.match_blocks(i.index, blocks), i.load, i.index),
+            )
+        else:
+            prefill = least_load(prefill_pool)
+        if self.cfg.decode_pick == "least_outstanding":
+            decoder = least_outstanding(decode_pool)
+        else:
+            decoder = least_load(decode_pool)
+        return Decision(instance=decoder.index, route=ROUTE_PD, prefill_instance=prefill.index)

@@ -9,7 +9,7 @@ import yaml
 
 from btb_lab.analysis.models import Summary
 from btb_lab.errors import UserError
-from btb_lab.results import Manifest
+from btb_lab.results import full_runs
 
 __all__ = ["HypothesisRow", "latest_verdicts", "list_hypotheses"]
 
@@ -24,24 +24,25 @@ class HypothesisRow:
 
 
 def latest_verdicts(results: Path) -> dict[str, tuple[str, str]]:
-    """Hypothesis id → (verdict word, run dir) of its newest stored run anywhere under
+    """Hypothesis id → (verdict word, run dir) of its newest full run anywhere under
     `results` (`results/<id>/…`, `make log`'s `results/log/…`, `--out` folders inside it).
-    Runs with `--set` overrides (sweep points among them) test a changed hypothesis, so
-    they do not count. Newest = largest run id, which starts with the UTC start time."""
-    best: dict[str, tuple[str, str, str]] = {}
-    for summary_path in results.rglob("summary.json"):
-        run_dir = summary_path.parent
+    A full run completed, recorded no error and ran the file as written (no `--set`,
+    `--requests`, `--repeats`, `--time-scale`, `--variants`; so no sweep point and no smoke
+    run): `btb-lab report ID` picks the same run. Newest = largest run id, which starts
+    with the UTC start time. A full run whose summary is missing (killed while rendering)
+    shows `?` until `btb-lab report DIR` rebuilds it."""
+    latest: dict[str, Path] = {}
+    for run_dir, manifest in full_runs(results):
+        latest[manifest.hypothesis_id] = run_dir  # oldest first: the newest wins
+    out: dict[str, tuple[str, str]] = {}
+    for hid, run_dir in latest.items():
+        word: str
         try:
-            summary = Summary.load(run_dir)
-            manifest = Manifest.load(run_dir)
+            word = Summary.load(run_dir).verdict.word
         except UserError:
-            continue
-        hid, run_id, word = summary.hypothesis, summary.run_id, summary.verdict.word
-        if (manifest.cli.get("options") or {}).get("overrides"):
-            continue
-        if hid not in best or run_id > best[hid][0]:
-            best[hid] = (run_id, word, str(run_dir))
-    return {hid: (word, run_dir) for hid, (_, word, run_dir) in best.items()}
+            word = "?"
+        out[hid] = (word, str(run_dir))
+    return out
 
 
 def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
@@ -51,12 +52,15 @@ def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, OSError):
+        except (yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError):
             rows.append(HypothesisRow("?", "(unreadable YAML)", path, None, None))
             continue
-        if not isinstance(data, dict) or "id" not in data:
+        if not isinstance(data, dict) or not isinstance(data.get("id"), str | int):
             continue
         hid = str(data["id"])
+        title = data.get("title", "")
+        # only text is shown: a mapping could be an alias bomb that str() would expand
+        title = str(title) if isinstance(title, str | int | float) else "(not text)"
         verdict, run = verdicts.get(hid, (None, None))
-        rows.append(HypothesisRow(hid, str(data.get("title", "")), path, verdict, run))
+        rows.append(HypothesisRow(hid, title, path, verdict, run))
     return rows

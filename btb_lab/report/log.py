@@ -6,14 +6,19 @@ run again replaces its entry and text a researcher wrote outside the markers is 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from btb_lab.analysis.summary import analyze_run
+from btb_lab.errors import UserError
 from btb_lab.report.render import entry_context, render_template
+from btb_lab.results import write_atomic
 
 __all__ = ["LogEntry", "append_entry", "parse_log", "render_entry"]
 
@@ -100,10 +105,50 @@ def render_entry(
     return hid, run_id, text
 
 
+def _read_log(log_path: Path) -> str:
+    if log_path.is_dir():
+        raise UserError(f"--log {log_path}: is a directory, not a log file")
+    if not log_path.exists():
+        return _HEADER
+    try:
+        return log_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{log_path}: not a text (UTF-8) file") from None
+    except OSError as exc:
+        raise UserError(f"{log_path}: cannot read: {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def _locked(log_path: Path) -> Iterator[None]:
+    """One `log append` at a time per log file (an advisory lock on `.<name>.lock` beside
+    it), so two appends never lose each other's entry."""
+    lock_path = log_path.with_name(f".{log_path.name}.lock")
+    try:
+        handle = lock_path.open("a")
+    except OSError:  # a read-only folder: the replace below fails with the real reason
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def append_entry(run_dir: Path, log_path: Path, *, compare_dir: Path | None = None) -> None:
-    """Add the run's entry to the log, or replace it if this run is already there."""
+    """Add the run's entry to the log, or replace it if this run is already there. The
+    log is replaced atomically: a reader, or a crash, sees the old log or the new one."""
     hid, run_id, entry = render_entry(run_dir, log_path, compare_dir=compare_dir)
-    text = log_path.read_text(encoding="utf-8") if log_path.exists() else _HEADER
+    if log_path.is_dir():
+        raise UserError(f"--log {log_path}: is a directory, not a log file")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(log_path):
+        _append_locked(log_path, hid, run_id, entry)
+
+
+def _append_locked(log_path: Path, hid: str, run_id: str, entry: str) -> None:
+    text = _read_log(log_path)
     start = _START.format(id=hid, run=run_id)
     end = _END.format(id=hid, run=run_id)
     i = text.find(start)
@@ -119,10 +164,7 @@ def append_entry(run_dir: Path, log_path: Path, *, compare_dir: Path | None = No
         if not text.endswith("\n\n"):
             text += "\n"
         text += entry
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = log_path.with_suffix(log_path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, log_path)
+    write_atomic(log_path, text)
 
 
 def parse_log(text: str) -> list[LogEntry]:

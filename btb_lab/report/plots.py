@@ -69,8 +69,18 @@ def cdf_points(values: np.ndarray, points: int = 240) -> tuple[np.ndarray, np.nd
 
 
 def _save(fig: Any, path: Path, dpi: int = 100) -> None:
-    fig.savefig(path, dpi=dpi, metadata=_META)
-    _pyplot().close(fig)
+    """PNG bytes rendered in memory, then written atomically (a full disk or a kill never
+    leaves half an image); the figure is closed."""
+    import io
+
+    from btb_lab.results import write_atomic
+
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=dpi, metadata=_META)
+    finally:
+        _pyplot().close(fig)
+    write_atomic(path, buffer.getvalue())
 
 
 # ---------------------------------------------------------------------------- CDFs

@@ -19,11 +19,12 @@ from btb_lab.analysis.scopes import measured_window
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
-from btb_lab.results import RunEntry
+from btb_lab.results import RunEntry, write_atomic
 
 __all__ = [
     "build_report",
     "entry_context",
+    "kv_source_rows",
     "render_template",
     "result_lines",
 ]
@@ -89,6 +90,14 @@ def result_lines(summary: Summary, baseline: str) -> list[str]:
             imbalance = "n/a" if gpu.imbalance is None else f"{gpu.imbalance:.2f}x"
             std = gpu.std or 0.0
             lines.append(f"GPU imbalance={imbalance} std={std * 100:.1f}% max={gpu.max * 100:.1f}%")
+        warm = v.warm
+        if warm.prefills:
+            lines.append(
+                f"Speculative prefill: {warm.prefills} actions, {warm.prefill_tokens:,} tokens "
+                f"= {warm.prefill_s:.2f} instance-s; on decoys (jobs of ≤ "
+                f"{warm.decoy_max_requests} requests) {warm.decoy_prefill_tokens:,} tokens = "
+                f"{warm.decoy_prefill_s:.2f} instance-s"
+            )
     return lines
 
 
@@ -113,12 +122,49 @@ def engine_lines(runs: list[RunEntry]) -> list[str]:
     return lines
 
 
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def kv_source_rows(runs: list[RunEntry]) -> list[dict[str, str]]:
+    """Per run and instance, where prompt KV came from (real clusters only; the cluster
+    backend stores it as `extra.metrics.kv_sources`): local prefix-cache hits, external
+    hits (KV received through the connector), computed tokens, and the KV moved in. A
+    `total` row per run sums the KV moved."""
+    rows: list[dict[str, str]] = []
+    for entry in runs:
+        sources = (entry.extra.get("metrics") or {}).get("kv_sources")
+        if not sources:
+            continue
+        label = f"{entry.variant} r{entry.repeat + 1}"
+        total_bytes = total_s = transfers = 0.0
+        for name, kv in sorted(sources.items()):
+            rows.append({
+                "run": label, "instance": name,
+                "prompt": f"{kv['prompt_tokens']:.0f}", "local": f"{kv['local_hit_tokens']:.0f}",
+                "external": f"{kv['external_hit_tokens']:.0f}",
+                "computed": f"{kv['computed_tokens']:.0f}",
+                "mib": _mib(kv["kv_bytes"]), "seconds": f"{kv['kv_transfer_s']:.3f}",
+                "transfers": f"{kv['kv_transfers']:.0f}",
+            })  # fmt: skip
+            total_bytes += kv["kv_bytes"]
+            total_s += kv["kv_transfer_s"]
+            transfers += kv["kv_transfers"]
+        rows.append({
+            "run": label, "instance": "total", "prompt": "", "local": "", "external": "",
+            "computed": "", "mib": _mib(total_bytes), "seconds": f"{total_s:.3f}",
+            "transfers": f"{transfers:.0f}",
+        })  # fmt: skip
+    return rows
+
+
 def _topology(hyp: Hypothesis) -> str:
     groups = [f"{g.count}×{g.role} ({g.gpus}×{g.gpu})" for g in hyp.cluster.instances]
     conn = hyp.cluster.kv_connector
     text = " + ".join(groups)
     if conn.type != "none":
-        text += f", KV connector {conn.type} ({conn.role})"
+        roles = "".join(f", {r}: {k}" for r, k in sorted(conn.roles.items()))
+        text += f", KV connector {conn.type} ({conn.role}{roles})"
     return text
 
 
@@ -379,6 +425,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         ),
         "result_lines": result_lines(summary, hyp.baseline),
         "engine_lines": engine_lines(runs),
+        "kv_source_rows": kv_source_rows(runs),
         "comparisons": _comparisons(run),
         "statistics": _statistics(run),
         "exclusion": _exclusion_text(run),
@@ -481,5 +528,5 @@ def build_report(run_dir: Path) -> AnalyzedRun:
         list(run.summary.variants), [r.name for r in run.hypothesis.classes],
         all_records=run.all_records, events=timeline, excluded=_excluded_spans(run),
     )  # fmt: skip
-    (run_dir / "report.md").write_text(render_template("report.md.j2", context), encoding="utf-8")
+    write_atomic(run_dir / "report.md", render_template("report.md.j2", context))
     return run

@@ -1,7 +1,15 @@
 """Stored runs: the results directory (`store`: layout, durable record sink, parquet) and
 its manifest (`manifest`: the typed model every reader loads)."""
 
-from btb_lab.results.manifest import MANIFEST, Manifest, RunEntry, RunStatus
+from btb_lab.results.manifest import (
+    MANIFEST,
+    Manifest,
+    RunEntry,
+    RunStatus,
+    full_runs,
+    resolve_run_dir,
+    stored_runs,
+)
 from btb_lab.results.store import (
     JsonlRecordSink,
     finalize_parquet,
@@ -11,7 +19,7 @@ from btb_lab.results.store import (
     read_records,
     read_utilization,
     record_row,
-    resolve_run_dir,
+    write_atomic,
     write_events_part,
     write_json,
     write_utilization_part,
@@ -24,6 +32,7 @@ __all__ = [
     "RunEntry",
     "RunStatus",
     "finalize_parquet",
+    "full_runs",
     "new_run_dir",
     "new_run_id",
     "read_events",
@@ -31,6 +40,8 @@ __all__ = [
     "read_utilization",
     "record_row",
     "resolve_run_dir",
+    "stored_runs",
+    "write_atomic",
     "write_events_part",
     "write_json",
     "write_utilization_part",

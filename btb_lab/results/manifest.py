@@ -4,6 +4,11 @@ the runner writes and every reader (analysis, report, log, listing, sweeps) load
 
 The file is rewritten atomically after every change of state, so a reader never sees half
 of it, and a crash leaves the last consistent state on disk.
+
+A hypothesis id stands for its newest *full run* (`report ID`, `log append ID`, `list`):
+one that completed, recorded no error, and ran the file as written — no `--set`,
+`--requests`, `--repeats`, `--time-scale` or `--variants` (sweep points carry overrides,
+so they never count). A run directory given by path is always taken as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from btb_lab.errors import UserError
 from btb_lab.results.store import write_json
 
-__all__ = ["MANIFEST", "Manifest", "RunEntry", "RunStatus"]
+__all__ = [
+    "MANIFEST",
+    "Manifest",
+    "RunEntry",
+    "RunStatus",
+    "full_runs",
+    "resolve_run_dir",
+    "stored_runs",
+]
 
 MANIFEST = "manifest.json"
 RunStatus = Literal["running", "ok", "failed", "interrupted"]
@@ -103,6 +116,30 @@ class Manifest(_Stored):
             where = ".".join(str(p) for p in first["loc"]) or "(top level)"
             raise UserError(f"{path}: not a btb-lab manifest: {where}: {first['msg']}") from None
 
+    def partial_reasons(self) -> list[str]:
+        """Why this run does not stand for its hypothesis (empty for a full run)."""
+        reasons: list[str] = []
+        if self.error:
+            reasons.append(f"failed: {self.error}")
+        elif self.interrupted:
+            reasons.append("interrupted")
+        elif not self.complete:
+            reasons.append("incomplete" if self.finished else "never finished (killed?)")
+        options = self.cli.get("options") or {}
+        if options.get("overrides"):
+            reasons.append("--set " + ", ".join(sorted(options["overrides"])))
+        for name in _PARTIAL_OPTIONS:
+            value = options.get(name)
+            if value not in (None, [], ""):
+                shown = ",".join(map(str, value)) if isinstance(value, list) else value
+                reasons.append(f"--{name.replace('_', '-')} {shown}")
+        return reasons
+
+    @property
+    def is_full_run(self) -> bool:
+        """Complete, no error, and run as the file says (see the module docstring)."""
+        return not self.partial_reasons()
+
     @property
     def failed_variants(self) -> list[str]:
         return sorted({r.variant for r in self.runs if r.status == "failed"})
@@ -110,3 +147,56 @@ class Manifest(_Stored):
     @property
     def runs_ok(self) -> int:
         return sum(1 for r in self.runs if r.status == "ok")
+
+
+# Run options that change the experiment the file describes (`--seed`, `--backend` and
+# `--out` do not: another seed is a replication, another backend the same experiment).
+_PARTIAL_OPTIONS = ("requests", "repeats", "time_scale", "variants")
+
+
+def stored_runs(
+    results_root: Path, hypothesis_id: str | None = None
+) -> list[tuple[Path, Manifest]]:
+    """Every run under `results_root` (any depth: `results/<id>/…`, `make log`'s
+    `results/log/…`, `--out` folders inside it), oldest first by run id (which starts with
+    the UTC start time), optionally of one hypothesis. Unreadable manifests are skipped."""
+    found: list[tuple[str, str, Path, Manifest]] = []
+    if not results_root.is_dir():
+        return []
+    for path in results_root.rglob(MANIFEST):
+        try:
+            manifest = Manifest.load(path.parent)
+        except UserError:
+            continue
+        if hypothesis_id is None or manifest.hypothesis_id == hypothesis_id:
+            found.append((manifest.run_id, str(path.parent), path.parent, manifest))
+    found.sort(key=lambda item: item[:2])
+    return [(run_dir, manifest) for _, _, run_dir, manifest in found]
+
+
+def full_runs(results_root: Path, hypothesis_id: str | None = None) -> list[tuple[Path, Manifest]]:
+    """The full runs among `stored_runs` (see the module docstring), oldest first."""
+    return [(d, m) for d, m in stored_runs(results_root, hypothesis_id) if m.is_full_run]
+
+
+def resolve_run_dir(target: str | Path, results_root: Path = Path("results")) -> Path:
+    """A run directory (taken as it is), or the newest full run of a hypothesis id
+    anywhere under `results_root`."""
+    path = Path(target)
+    if (path / MANIFEST).is_file():
+        return path
+    runs = stored_runs(results_root, str(target))
+    full = [run_dir for run_dir, manifest in runs if manifest.is_full_run]
+    if full:
+        return full[-1]
+    if runs:
+        newest_dir, newest = runs[-1]
+        raise UserError(
+            f"{target}: no full run under {results_root}/ ({len(runs)} run(s); the newest, "
+            f"{newest_dir}, is {'; '.join(newest.partial_reasons())}); give a run directory "
+            "to use one anyway"
+        )
+    if path.is_dir():
+        raise UserError(f"{target}: not a run directory (no {MANIFEST})")
+    raise UserError(f"{target}: neither a run directory nor a hypothesis id with runs under "
+                    f"{results_root}/")  # fmt: skip

@@ -10,6 +10,7 @@ when a run never got that far or a parquet file is unreadable.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -22,7 +23,7 @@ from typing import Any, TextIO
 
 import pandas as pd
 
-from btb_lab.errors import UserError
+from btb_lab.errors import OutputError, UserError, describe_os_error
 from btb_lab.records import (
     EVENT_COLUMNS,
     RECORD_COLUMNS,
@@ -43,7 +44,7 @@ __all__ = [
     "read_records",
     "read_utilization",
     "record_row",
-    "resolve_run_dir",
+    "write_atomic",
     "write_events_part",
     "write_json",
     "write_utilization_part",
@@ -66,11 +67,17 @@ def new_run_id() -> str:
 def new_run_dir(
     results_root: Path, hypothesis_id: str, *, out: Path | None = None, run_id: str | None = None
 ) -> Path:
-    """Create `results/<id>/<run id>/` (or `out`, which must be empty)."""
+    """Create `results/<id>/<run id>/` (or `out`, which must be empty). A folder that
+    cannot be created (read-only, no permission, a file in the way) is an `OutputError`."""
     if out is not None:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out {out} exists and is not a directory")
         if out.exists() and any(out.iterdir()):
             raise UserError(f"--out {out} exists and is not empty")
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create --out {out}: {describe_os_error(exc)}") from None
         return out
     while True:
         run_dir = results_root / hypothesis_id / (run_id or new_run_id())
@@ -78,27 +85,33 @@ def new_run_dir(
             run_dir.mkdir(parents=True)
             return run_dir
         except FileExistsError:
+            if not (results_root / hypothesis_id).is_dir():
+                raise OutputError(f"cannot create {run_dir}: a file is in the way") from None
             run_id = None
             continue
+        except OSError as exc:
+            raise OutputError(f"cannot create {run_dir}: {describe_os_error(exc)}") from None
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write a file atomically (temp file + rename), so a reader never sees half of it;
+    when the write fails (a full disk) the temporary file is removed and the old file,
+    if any, is left as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        if isinstance(text, bytes):
+            tmp.write_bytes(text)
+        else:
+            tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temp file + rename), so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def resolve_run_dir(target: str | Path, results_root: Path = Path("results")) -> Path:
-    """A run directory, or the latest run of a hypothesis id under `results_root`."""
-    path = Path(target)
-    if (path / MANIFEST).is_file():
-        return path
-    runs = sorted(p.parent for p in (results_root / str(target)).glob(f"*/{MANIFEST}"))
-    if runs:
-        return runs[-1]
-    raise UserError(f"{target}: neither a run directory nor a hypothesis id with runs under "
-                    f"{results_root}/")  # fmt: skip
+    """Write JSON atomically (see `write_atomic`)."""
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def _part_name(variant: str, repeat: int, kind: str) -> str:
@@ -139,11 +152,16 @@ class JsonlRecordSink:
         self.count += len(lines)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-            self._fh = None
+        """Flush and fsync; the file is closed even when that fails (a full disk)."""
+        fh, self._fh = self._fh, None
+        if fh is None:
+            return
+        try:
+            fh.flush()
+            os.fsync(fh.fileno())
+        finally:
+            with contextlib.suppress(OSError):  # the flush above raised the same error
+                fh.close()
 
 
 def write_utilization_part(
@@ -297,10 +315,15 @@ def _typed_events(
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
-    """Temp file + rename: a crash mid-write leaves the old file or none, never half."""
+    """Temp file + rename: a crash mid-write leaves the old file or none, never half
+    (and a failed write, a full disk, removes its temporary file)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    frame.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    try:
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> None:

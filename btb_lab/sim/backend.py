@@ -19,7 +19,7 @@ from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import UserError
 from btb_lab.events import EventLog
 from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
-from btb_lab.policies.base import ClusterView, Decision, Policy, build_policy
+from btb_lab.policies.base import Policy, build_policy
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.engine import Engine
 
@@ -32,7 +32,6 @@ __all__ = [
     "fidelity_facts",
     "run_engine",
     "simulate",
-    "tap_warm_decisions",
 ]
 
 ENGINE_VERSION = "2"  # 2: kv_prefix_sharing (on by default) changes the numbers
@@ -90,13 +89,77 @@ def fidelity_facts(
                 if settings.kv_prefix_sharing
                 else "input+output tokens per admitted request (no preemption)"
             ),
-            "prefix_cache": "HBM not reserved or pinned by admitted requests, LRU to host RAM"
+            "prefix_cache": (
+                "the whole KV budget, regardless of reservations (counted twice)"
+                if settings.prefix_cache_budget == "whole"
+                else "HBM not reserved or pinned by admitted requests"
+            )
+            + (", LRU to host RAM" if settings.host_ram_tier else "")
+            + (" (unbounded)" if settings.host_ram_tier and settings.host_ram_bytes is None else "")
             + (", then disk (shared, unbounded)" if settings.disk_tier else ""),
-            "decode_steps": "output_tokens - 1 after the prefill's first token",
+            "decode_steps": (
+                "output_tokens from context = input (a 1-token request decodes once)"
+                if settings.decode_steps == "output_tokens"
+                else "output_tokens - 1 after the prefill's first token"
+            ),
+            "window_replay": (
+                "each trace window on a fresh, empty cluster, results pooled"
+                if settings.window_replay == "fresh"
+                else "windows one after another on one cluster"
+            ),
             "rdma_link": "transfers into one instance share its RDMA link (serialized)",
         }
     )
     return facts
+
+
+def windows_of(requests: Sequence[Request]) -> list[list[Request]]:
+    """The trace windows (trace_ids) of `requests`, in order of first appearance."""
+    groups: dict[str, list[Request]] = {}
+    for request in requests:
+        groups.setdefault(request.trace_id, []).append(request)
+    return list(groups.values())
+
+
+def run_replay(
+    costs: RooflineCostModel,
+    settings: SimSettings,
+    make_policy: Callable[[], Policy],
+    requests: Sequence[Request],
+    emit: Callable[[RequestRecord], None],
+    *,
+    variant: str = "",
+    repeat: int = 0,
+    events: EventLog | None = None,
+) -> tuple[list[UtilSample], dict[str, float], list[Policy]]:
+    """Run `requests` as `sim.window_replay` says: on one engine (continuous), or each
+    trace window on a fresh engine with a freshly built (re-seeded) policy (fresh). A
+    fresh window's utilization is kept from its first arrival to the next window's."""
+    if settings.window_replay == "continuous":
+        policy = make_policy()
+        util, stats, _ = run_engine(
+            costs, settings, policy, requests, emit, variant=variant, repeat=repeat,
+            events=events,
+        )  # fmt: skip
+        return util, stats, [policy]
+    windows = windows_of(requests)
+    util_all: list[UtilSample] = []
+    totals: dict[str, float] = {}
+    policies: list[Policy] = []
+    for n, window in enumerate(windows):
+        policy = make_policy()
+        policies.append(policy)
+        util, stats, _ = run_engine(
+            costs, settings, policy, window, emit, variant=variant, repeat=repeat,
+            events=events,
+        )  # fmt: skip
+        start_s = window[0].arrival_s
+        end_s = windows[n + 1][0].arrival_s if n + 1 < len(windows) else float("inf")
+        util_all.extend(u for u in util if u.time_s <= end_s and (n == 0 or u.time_s > start_s))
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0) + value
+    totals["windows"] = len(windows)
+    return util_all, totals, policies
 
 
 def run_engine(
@@ -109,6 +172,7 @@ def run_engine(
     variant: str = "",
     repeat: int = 0,
     audit: bool = False,
+    events: EventLog | None = None,
 ) -> tuple[list[UtilSample], dict[str, float], Engine]:
     """Run one engine over `requests`; lower-level than `simulate` (tests and bench)."""
     engine = Engine(
@@ -119,6 +183,7 @@ def run_engine(
         variant=variant,
         repeat=repeat,
         audit=audit,
+        events=events,
     )
     result = engine.run(requests, emit)
     return result.utilization, result.stats, engine
@@ -143,49 +208,17 @@ def simulate(
         raise UserError(f"variant {variant_name!r}: sim overrides are invalid: {exc}") from None
     costs = build_cost_model(resolved)
     router = hypothesis.variants[variant_name].router
-    policy = build_policy(router.policy, router.params, seed=seed)
     records: list[RequestRecord] = []
-    util, stats, _ = run_engine(
-        costs, resolved.sim, policy, requests, records.append, variant=variant_name,
-        repeat=repeat,
+    util, stats, policies = run_replay(
+        costs, resolved.sim, lambda: build_policy(router.policy, router.params, seed=seed),
+        requests, records.append, variant=variant_name, repeat=repeat,
     )  # fmt: skip
     fidelity = fidelity_facts(
-        resolved.sim, costs, policy, _block_tokens(requests), resolved.cluster.kv_connector.type
-    )
+        resolved.sim, costs, policies[0], _block_tokens(requests),
+        resolved.cluster.kv_connector.type,
+    )  # fmt: skip
     fidelity["stats"] = stats
     return records, util, fidelity
-
-
-def tap_warm_decisions(policy: Policy, log: EventLog) -> None:
-    """Record the warm copies `policy` asks for, seen from outside the engine: started when
-    decided, landing when the cost model says a copy of that size takes (setup + bytes /
-    link bandwidth; no waiting for a busy link). Until the engine records its copies
-    itself, this is the simulator's `warm_copy` event (origin `policy`).
-
-    The tap shadows the instance's `route` (the engine calls `policy.route`); the class is
-    left alone, so the engine's check for an `on_finish` override still holds."""
-    route = policy.route
-
-    def tapped(request: Request, view: ClusterView) -> Decision:
-        decision = route(request, view)
-        for action in decision.warm:
-            n = min(action.n_blocks, len(request.block_hashes))
-            tokens = n * request.block_tokens
-            if tokens <= 0:
-                continue
-            names = [inst.name for inst in view.instances]
-            now = view.now_s
-            if action.mode == "rdma" and action.source is not None:
-                done = now + view.costs.transfer_s(tokens, action.source, action.target)
-                source = names[action.source]
-            else:
-                done = now + view.costs.prefill_s(action.target, tokens)
-                source = ""
-            log.warm_copy(now, done, names[action.target], source, tokens,
-                          mode=action.mode, request_id=request.request_id)  # fmt: skip
-        return decision
-
-    policy.route = tapped  # type: ignore[method-assign]
 
 
 class SimBackend:
@@ -195,9 +228,8 @@ class SimBackend:
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
         hyp = ctx.hypothesis
-        policy = build_policy(ctx.variant.router.policy, ctx.variant.router.params, seed=ctx.seed)
-        log = EventLog("policy")
-        tap_warm_decisions(policy, log)
+        router = ctx.variant.router
+        log = EventLog("engine")  # queue, batch, warm copies and KV transfers
         total = len(requests)
         buffer: list[RequestRecord] = []
         done = 0
@@ -212,9 +244,9 @@ class SimBackend:
                 buffer.clear()
                 ctx.progress(done, total)
 
-        util, stats, _ = run_engine(
-            ctx.costs, hyp.sim, policy, requests, emit, variant=ctx.variant_name,
-            repeat=ctx.repeat,
+        util, stats, policies = run_replay(
+            ctx.costs, hyp.sim, lambda: build_policy(router.policy, router.params, seed=ctx.seed),
+            requests, emit, variant=ctx.variant_name, repeat=ctx.repeat, events=log,
         )  # fmt: skip
         if buffer:
             ctx.sink.write(buffer)
@@ -222,9 +254,10 @@ class SimBackend:
             buffer.clear()
         ctx.progress(done, total)
         fidelity = fidelity_facts(
-            hyp.sim, ctx.costs, policy, _block_tokens(requests), hyp.cluster.kv_connector.type
+            hyp.sim, ctx.costs, policies[0], _block_tokens(requests), hyp.cluster.kv_connector.type
         )
-        log.extend(policy.events)
+        for policy in policies:
+            log.extend(policy.events)
         return BackendResult(
             utilization=util,
             events=log.records(),

@@ -16,6 +16,7 @@ rerun from scratch, so an interrupted sweep resumes where it stopped.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 
 from btb_lab.errors import UserError
+from btb_lab.interrupts import Terminated
 from btb_lab.sweep.plan import PointTask, SweepPoint, expand_points, overrides_digest
 from btb_lab.sweep.series import point_series, write_series_plots
 from btb_lab.sweep.spec import LoadedSweep, load_sweep
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RunPointFn",
     "SweepOutcome",
+    "check_points",
     "default_sweep_dir",
     "is_point_complete",
     "plan_tasks",
@@ -136,16 +139,58 @@ def plan_tasks(loaded: LoadedSweep, sweep_dir: Path, *, seed: int | None = None)
     ]
 
 
-def _validate_points(tasks: Sequence[PointTask]) -> None:
-    """Load the base hypothesis with every point's overrides before running anything, so
-    a bad override path fails the sweep at once, naming the point."""
+def check_points(loaded: LoadedSweep, tasks: Sequence[PointTask]) -> None:
+    """Load the base hypothesis with every point's overrides before running anything, and
+    check the `table:` block against the variants and classes the points have, so a bad
+    override or table entry fails the sweep at once with `SWEEP:LINE: field: message`
+    (a bad override at its line of the sweep file, never at a line of the base file)."""
+    from btb_lab.errors import ValidationFailed
     from btb_lab.hypothesis import load_hypothesis
 
+    problems: list[str] = []
+    variants: list[set[str]] = []
+    classes: set[str] = set()
     for task in tasks:
+        origins = loaded.override_origins(task.labels, task.overrides)
+        origins = {k: f"{v} (point {task.point_id})" for k, v in origins.items()}
         try:
-            load_hypothesis(Path(task.base_path), dict(task.overrides))
+            hyp = load_hypothesis(Path(task.base_path), dict(task.overrides), origins).hypothesis
+        except ValidationFailed as exc:
+            problems += [p for p in exc.problems if p not in problems]
+            continue
         except UserError as exc:
-            raise UserError(f"sweep point {task.point_id}: {exc}") from None
+            if str(exc) not in problems:
+                problems.append(str(exc))
+            continue
+        variants.append(set(hyp.variants))
+        classes |= {rule.name for rule in hyp.classes}
+    if problems:
+        more = len(problems) - 20
+        tail = [f"{loaded.path}: ... and {more} more problems"] if more > 0 else []
+        raise ValidationFailed(problems[:20] + tail)
+    table = loaded.spec.table
+    path = loaded.path
+    every = set.intersection(*variants) if variants else set()
+    some = set.union(*variants) if variants else set()
+    for i, name in enumerate(table.variants or []):
+        if name not in some:
+            problems.append(
+                f"{path}:{loaded.line('table', 'variants', i)}: table.variants.{i}: no point "
+                f"has a variant {name!r}; variants: {', '.join(sorted(some))}"
+            )
+    if table.baseline is not None and table.baseline not in every:
+        problems.append(
+            f"{path}:{loaded.line('table', 'baseline')}: table.baseline: {table.baseline!r} is "
+            f"not a variant of every point; variants of all points: {', '.join(sorted(every))}"
+        )
+    if table.scope != "all" and table.scope not in classes:
+        choices = ", ".join(["all", *sorted(classes)])
+        problems.append(
+            f"{path}:{loaded.line('table', 'scope')}: table.scope: unknown class "
+            f"{table.scope!r}; choose one of: {choices}"
+        )
+    if problems:
+        raise ValidationFailed(problems)
 
 
 def _run_into_temp(task: PointTask, run_fn: RunPointFn) -> dict[str, bytes]:
@@ -183,11 +228,26 @@ def _execute_local(
             else:
                 done(task, None)
         return
-    with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+    pool = cf.ProcessPoolExecutor(max_workers=jobs)
+    futures: dict[cf.Future[None], PointTask] = {}
+    try:
         futures = {pool.submit(run_fn, task): task for task in tasks}
         for fut in cf.as_completed(futures):
             err = fut.exception()
             done(futures[fut], None if err is None else _describe(err))
+    except KeyboardInterrupt as exc:
+        for fut in futures:
+            fut.cancel()
+        if isinstance(exc, Terminated):
+            # SIGTERM reached this process only (Ctrl-C reaches the whole process group):
+            # pass it on, so each running point stops the way Ctrl-C stops a run — its
+            # records kept, its manifest marked interrupted — instead of running on.
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                with contextlib.suppress(Exception):
+                    proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _execute_ray(
@@ -280,7 +340,7 @@ def run_sweep(
     sweep_dir = Path(out) if out is not None else default_sweep_dir(loaded)
     tasks = plan_tasks(loaded, sweep_dir, seed=seed)
     if validate:
-        _validate_points(tasks)
+        check_points(loaded, tasks)
     base_digest = _file_digest(loaded.base_path)
     say = echo or (lambda _msg: None)
 

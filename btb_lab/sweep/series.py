@@ -58,8 +58,8 @@ def point_series(
     achieved rates. Points without a complete run are left out."""
     import pandas as pd
 
+    from btb_lab.analysis.intervals import metric_units, point_value, value_interval
     from btb_lab.analysis.summary import measured_frames, stored_hypothesis
-    from btb_lab.analysis.verdict import metric_units, point_value, value_interval
     from btb_lab.errors import UserError
     from btb_lab.results import Manifest, read_records, read_utilization
 

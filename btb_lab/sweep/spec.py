@@ -9,13 +9,15 @@ as `btb_lab.hypothesis.load_hypothesis` accepts them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MAX_SWEEP_POINTS
+from btb_lab.config.metrics import METRICS
 from btb_lab.errors import UserError, ValidationFailed
 
 __all__ = ["LoadedSweep", "SweepPointSpec", "SweepSpec", "TableSpec", "load_sweep"]
@@ -30,10 +32,32 @@ class SweepPointSpec(StrictModel):
     )
 
 
+def _known_metric(name: str) -> str:
+    if name not in METRICS:
+        raise ValueError(f"unknown metric {name!r}; choose one of: " + ", ".join(METRICS))
+    return name
+
+
+# a metric of `config.metrics`, checked where it is written (`table.metrics.1`)
+MetricName = Annotated[str, AfterValidator(_known_metric)]
+
+
+class ReferenceSpec(StrictModel):
+    """Figures from elsewhere (a paper's table) keyed by one label column's values: the
+    table gains the reference column, `<column>_gap_pp` (the table's value minus the
+    reference) and `<column>_within` (|gap| ≤ tolerance)."""
+
+    axis: str = Field(description="Label column whose values key `values` (an axis name).")
+    column: str = Field(description="Table column (after `rename`) compared to the figures.")
+    name: str = Field("published_pct", description="Name of the reference column.")
+    values: dict[str, float] = Field(description="Label → reference figure.")
+    tolerance: float = Field(2.0, ge=0, description="Largest |gap| that counts as reproduced.")
+
+
 class TableSpec(StrictModel):
     """What the sweep's table and plot show."""
 
-    metrics: list[str] = Field(
+    metrics: list[MetricName] = Field(
         default_factory=lambda: ["ttft_mean", "ttft_p95"],
         min_length=1,
         description="Per-variant metrics from summary.json: keys of `variants.<v>.all` "
@@ -57,8 +81,16 @@ class TableSpec(StrictModel):
         description="Add `<metric> reduction %` columns: (baseline − variant) / baseline × "
         "100, so a positive number means the variant is lower (better for latencies).",
     )
-    plot_metric: str | None = Field(
+    plot_metric: MetricName | None = Field(
         None, description="Metric drawn in plot.png; default: the first of `metrics`."
+    )
+    rename: dict[str, str] = Field(
+        default_factory=dict,
+        description="Table column → the name it gets in table.csv / table.md (e.g. "
+        "`ttft_mean reduction % (btb vs cache_aware)` → `btb_reduction_pct`).",
+    )
+    reference: ReferenceSpec | None = Field(
+        None, description="Published figures to set beside a column, with their gaps."
     )
 
 
@@ -123,73 +155,120 @@ class SweepSpec(StrictModel):
             raise ValueError(f"names used both as axis and grid path: {sorted(clash)}")
         if "point" in self.axes or "point" in self.grid:
             raise ValueError("'point' is reserved for the points list's column")
+        ref = self.table.reference
+        if ref is not None:
+            if ref.axis not in self.axes:
+                raise ValueError(
+                    f"table.reference.axis {ref.axis!r} is not an axis; axes: "
+                    + (", ".join(self.axes) or "none")
+                )
+            unknown = sorted(set(ref.values) - set(self.axes[ref.axis]))
+            if unknown:
+                raise ValueError(
+                    f"table.reference.values: {', '.join(unknown)} not choices of axis "
+                    f"{ref.axis!r} ({', '.join(self.axes[ref.axis])})"
+                )
         return self
 
 
 class LoadedSweep:
-    """A validated sweep with where it came from (relative paths resolve against it)."""
+    """A validated sweep with where it came from (relative paths resolve against it) and
+    the line of every key, so a bad override is reported at its line of the sweep file."""
 
-    def __init__(self, spec: SweepSpec, path: Path) -> None:
+    def __init__(
+        self, spec: SweepSpec, path: Path, lines: Mapping[tuple[str | int, ...], int] | None = None
+    ) -> None:
         self.spec = spec
         self.path = path
         self.base_path = (path.parent / spec.base).resolve()
+        self.lines: Mapping[tuple[str | int, ...], int] = lines or {}
+
+    def line(self, *loc: str | int) -> int:
+        """1-based line of the key at `loc` (or of its nearest parent that has one)."""
+        return _line_in(self.lines, loc)
+
+    def override_origins(
+        self, labels: Mapping[str, str], overrides: Mapping[str, Any]
+    ) -> dict[str, str]:
+        """For one point (its labels and merged overrides), where each override was
+        written: `sweep.yaml:LINE: grid.<path>`, `…: axes.<axis>.<choice>.<path>`,
+        `…: points.<i>.overrides.<path>` or `…: overrides.<path>` (the source that wins,
+        in `expand_points`' order: grid over axes over points over top-level overrides)."""
+        spec = self.spec
+        origins: dict[str, str] = {}
+        for key in overrides:
+            loc: tuple[str | int, ...] = ("overrides", key)
+            label = labels.get("point")
+            if label is not None:
+                index = next(i for i, p in enumerate(spec.points) if p.label == label)
+                if key in spec.points[index].overrides:
+                    loc = ("points", index, "overrides", key)
+            for axis, choices in spec.axes.items():
+                choice = labels.get(axis)
+                if choice is not None and key in choices.get(choice, {}):
+                    loc = ("axes", axis, choice, key)
+            if key in spec.grid:
+                loc = ("grid", key)
+            dotted = ".".join(str(p) for p in loc)
+            origins[key] = f"{self.path}:{self.line(*loc)}: {dotted}"
+        return origins
 
 
-def _node_line(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
-    """1-based YAML line of the node at `loc` (or of its nearest existing parent)."""
-    node = root
-    line = node.start_mark.line + 1 if node is not None else None
-    for key in loc:
-        child: yaml.Node | None = None
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if getattr(k, "value", None) == str(key):
-                    child = v
-                    line = k.start_mark.line + 1
-                    break
-        elif (
-            isinstance(node, yaml.SequenceNode)
-            and isinstance(key, int)
-            and 0 <= key < len(node.value)
-        ):
-            child = node.value[key]
-            line = child.start_mark.line + 1
-        if child is None:
-            break
-        node = child
-    return line
+def _line_in(lines: Mapping[tuple[str | int, ...], int], loc: tuple[str | int, ...]) -> int:
+    for cut in range(len(loc), -1, -1):
+        if loc[:cut] in lines:
+            return lines[loc[:cut]]
+    return 1
 
 
 def load_sweep(path: Path) -> LoadedSweep:
-    """Read and validate a sweep file; every problem names the file, line and field path."""
+    """Read and validate a sweep file; every problem names the file, line and field path.
+    The YAML is read with the hypothesis loader's checks (no tags, duplicate keys or
+    alias bombs), and a sweep of more than MAX_SWEEP_POINTS points is refused."""
+    from btb_lab.yamlio import compose_yaml
+
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a sweep file")
     if not path.is_file():
         raise UserError(f"{path}: sweep file not found")
-    text = path.read_text(encoding="utf-8")
     try:
-        data = yaml.safe_load(text)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise UserError(f"{where}: YAML syntax error: {getattr(exc, 'problem', exc)}") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text (UTF-8) file") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    data, lines = compose_yaml(text, path)
     if not isinstance(data, dict):
         raise UserError(f"{path}:1: a sweep file must be a mapping")
+    loaded_lines: dict[tuple[str | int, ...], int] = dict(lines)
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
             loc = tuple(err["loc"])
-            line = _node_line(root, loc)
             field = ".".join(str(p) for p in loc) or "(top)"
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            problems.append(f"{path}:{line}: {field}: {msg}")
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, ") :]
+            problems.append(f"{path}:{_line_in(loaded_lines, loc)}: {field}: {msg}")
         raise ValidationFailed(problems) from None
-    loaded = LoadedSweep(spec, path)
+    loaded = LoadedSweep(spec, path, loaded_lines)
     if not loaded.base_path.is_file():
-        line = _node_line(root, ("base",))
-        raise UserError(f"{path}:{line}: base: hypothesis file {loaded.base_path} not found")
+        raise UserError(
+            f"{path}:{loaded.line('base')}: base: hypothesis file {loaded.base_path} not found"
+        )
+    count = max(1, len(spec.points))
+    for choices in spec.axes.values():
+        count *= len(choices)
+    for values in spec.grid.values():
+        count *= len(values)
+    if count > MAX_SWEEP_POINTS:
+        raise UserError(
+            f"{path}:1: (top level): the sweep has {count:,} points, more than the limit of "
+            f"{MAX_SWEEP_POINTS:,} (each point is a full run)"
+        )
     return loaded

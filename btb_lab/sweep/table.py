@@ -87,6 +87,15 @@ def build_table(
         rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["variants"] = variants
+    if table.rename:
+        df = df.rename(columns=table.rename)
+        df.attrs["variants"] = variants
+    if table.reference is not None:
+        ref = table.reference
+        df[ref.name] = [ref.values.get(str(label), math.nan) for label in df[ref.axis]]
+        gap = df[ref.column] - df[ref.name]
+        df[f"{ref.column}_gap_pp"] = gap
+        df[f"{ref.column}_within"] = gap.abs() <= ref.tolerance
     return df
 
 

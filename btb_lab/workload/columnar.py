@@ -109,7 +109,7 @@ _KINDS: dict[str, pa.DataType] = {
     "time": pa.float64(),
     "length": pa.int64(),
     "text": pa.string(),
-    "metadata": pa.struct([("turn", pa.int64())]),
+    "metadata": pa.struct([("turn", pa.int64()), ("job_kind", pa.string())]),
 }
 
 
@@ -271,6 +271,15 @@ def turns(
     if turn.null_count < len(turn) and int(pc.min(turn).as_py()) < 1:
         raise Fallback("metadata.turn below 1 in some row")
     return pc.fill_null(turn, 1).to_pylist(), turn.is_valid().to_pylist()
+
+
+def job_kinds(batch: pa.RecordBatch, name: str = "metadata") -> list[str | None]:
+    """`metadata.job_kind` per row (None where there is none); an empty one, which the
+    row loader rejects, sends the file there."""
+    kinds = pc.struct_field(batch.column(name), "job_kind").to_pylist()
+    if "" in kinds:
+        raise Fallback("an empty metadata.job_kind in some row")
+    return kinds
 
 
 def block_id_tuples(

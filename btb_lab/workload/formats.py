@@ -16,6 +16,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from btb_lab.config.limits import MAX_TOKENS
 from btb_lab.errors import UserError
 from btb_lab.records import Request
 from btb_lab.registry import Registry
@@ -58,31 +59,52 @@ FORMATS: Registry[TraceLoader] = Registry("trace format")
 def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
     """(line number, row) for a JSONL or parquet file; unparsable lines come as `BadRow`.
 
-    Parquet rows are numbered from 1 in file order, like lines.
+    Parquet rows are numbered from 1 in file order, like lines. A file that cannot be
+    read at all (missing, a folder, no permission, not UTF-8 text, not parquet) is a
+    `UserError` naming it.
     """
     if not path.exists():
         raise UserError(f"{path}: trace file not found")
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a trace file")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        for index, row in enumerate(table.to_pylist(), start=1):
-            yield index, row
+        yield from enumerate(_parquet_rows(path), start=1)
         return
-    with path.open("r", encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            text = line.strip()
-            if not text:
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield line_no, BadRow(None, f"not valid JSON ({exc.msg})")
-                continue
-            if not isinstance(row, dict):
-                yield line_no, BadRow(None, "expected a JSON object")
-                continue
-            yield line_no, row
+    line_no = 0
+    try:
+        with path.open("r", encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, start=1):
+                text = line.strip()
+                if not text:
+                    continue
+                try:
+                    row = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    yield line_no, BadRow(None, f"not valid JSON ({exc.msg})")
+                    continue
+                except RecursionError:
+                    yield line_no, BadRow(None, "not valid JSON (nested too deeply)")
+                    continue
+                if not isinstance(row, dict):
+                    yield line_no, BadRow(None, "expected a JSON object")
+                    continue
+                yield line_no, row
+    except UnicodeDecodeError:
+        raise UserError(f"{path}:{line_no + 1}: not UTF-8 text (a binary file?)") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _parquet_rows(path: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: not a readable parquet file ({reason})") from None
+    return table.to_pylist()
 
 
 def _require(row: dict[str, Any], name: str) -> Any:
@@ -99,6 +121,8 @@ def _length(row: dict[str, Any], name: str) -> int:
         raise BadRow(name, f"must be an integer, got {value!r}")
     if value < 0:
         raise BadRow(name, "must be ≥ 0")
+    if value > MAX_TOKENS:
+        raise BadRow(name, f"{value:g} tokens is more than the limit of {MAX_TOKENS:,}")
     return int(value)
 
 
@@ -193,6 +217,8 @@ def _columnar(
     try:
         return LoadedTrace(build(columnar, path, block_tokens))
     except columnar.Fallback:
+        return None
+    except (ValueError, OSError):  # pyarrow cannot read it: the row loader says why, with the file
         return None
 
 
@@ -309,7 +335,8 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
 
     Windows (`trace_id`) may interleave in the file. Where a row's metadata carries a
     `turn`, turns of one session must arrive in turn order (one turn may hold several
-    requests, as a burst job's requests are all its turn 1).
+    requests, as a burst job's requests are all its turn 1); a `job_kind` there becomes
+    the request's `job_kind`.
     """
     fast = _columnar(_columnar_bursted_art, path, block_tokens)
     if fast is not None:
@@ -343,6 +370,9 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
             turn = turn_value
             if session_id is not None:
                 session_turns.check(trace_id, session_id, turn, arrival_s)
+        job_kind = meta.get("job_kind")
+        if job_kind is not None and (not isinstance(job_kind, str) or not job_kind):
+            raise BadRow("metadata.job_kind", "must be a non-empty string")
         seen_ids[request_id] = line_no
         return Request(
             request_id=request_id,
@@ -356,6 +386,7 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
             trace_id=trace_id,
             source=source,
             turn=turn,
+            job_kind=job_kind,
         )
 
     return _run_rows(path, skip_bad_rows, parse)
@@ -384,12 +415,13 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
         sessions = col.optional_text(batch, "session_id")
         groups = col.optional_text(batch, "group_id")
         turns, has_turn = col.turns(batch, null_turn_written)
+        kinds = col.job_kinds(batch)
         rows = zip(
             arrivals, trace_ids, sources, request_ids, inputs, outputs, hashes, sessions,
-            groups, turns, has_turn, strict=True,
+            groups, turns, has_turn, kinds, strict=True,
         )  # fmt: skip
         for arrival_s, trace_id, source, request_id, input_tokens, output_tokens, blocks, \
-                session_id, group_id, turn, turn_given in rows:  # fmt: skip
+                session_id, group_id, turn, turn_given, job_kind in rows:  # fmt: skip
             if request_id in seen_ids:
                 raise col.Fallback("a request id repeats")
             if turn_given and session_id is not None:
@@ -411,6 +443,7 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
                     trace_id=trace_id,
                     source=source,
                     turn=turn,
+                    job_kind=job_kind,
                 )
             )
     return out

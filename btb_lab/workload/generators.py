@@ -4,6 +4,13 @@ Each generator has a strict pydantic Params model (unknown params are errors) an
 function `(params, ctx) -> list[Request]` that draws only from `numpy.random.default_rng
 (ctx.seed)`; same seed, same requests. Arrival times are seconds within the window; the
 loader applies `time_scale` and lays windows end to end.
+
+Counts and token lengths are bounded (`config.limits`): a generator whose parameters
+would make more than MAX_REQUESTS requests, or prompts longer than MAX_TOKENS, is refused
+while validating instead of exhausting memory while generating.
+
+This module is long because each generator's parameter model sits beside the generator
+it validates, with the shared bounds, so a parameter and its use are read together.
 """
 
 from __future__ import annotations
@@ -12,13 +19,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MAX_REQUESTS, MAX_TOKENS
 from btb_lab.errors import UserError
-from btb_lab.records import Request
+from btb_lab.records import BURST_JOB_KINDS, Request
 from btb_lab.registry import Registry
 from btb_lab.workload.hashing import BlockIdAllocator
 
@@ -33,6 +41,7 @@ __all__ = [
     "GenContext",
     "GeneratorEntry",
     "PoissonParams",
+    "check_request_count",
     "generate",
     "parse_params",
 ]
@@ -108,7 +117,9 @@ def _prompt_blocks(
 class BurstedParams(StrictModel):
     """Bursted-ART-shaped windows: synchronized same-prefix bursts, decoys, background."""
 
-    windows: int = Field(40, ge=1, description="Synthetic windows (the seed: 10 train + 30 test).")
+    windows: int = Field(
+        40, ge=1, le=MAX_REQUESTS, description="Synthetic windows (the seed: 10 train + 30 test)."
+    )
     train_fraction: float = Field(
         0.25, ge=0, le=1, description="Share of whole windows in the train split (per source)."
     )
@@ -116,9 +127,20 @@ class BurstedParams(StrictModel):
         "all", description="Which whole windows to emit."
     )
     window_s: float = Field(60.0, gt=0, description="Length of one window in seconds.")
-    bursts_per_window: int = Field(1, ge=0, description="Burst jobs in each synthetic window.")
-    burst_size: int = Field(500, ge=1, description="Requests in one burst (N).")
-    prefix_tokens: int = Field(65536, ge=1, description="Prefix shared by a burst (P), tokens.")
+    bursts_per_window: int = Field(
+        1, ge=0, le=MAX_REQUESTS, description="Burst jobs in each synthetic window."
+    )
+    burst_size: int = Field(500, ge=1, le=MAX_REQUESTS, description="Requests in one burst (N).")
+    burst_sizes: list[Annotated[int, Field(ge=1, le=MAX_REQUESTS)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=10_000,
+        description="Burst sizes to cycle through instead of one burst_size: the k-th burst "
+        "of the run (window by window) has burst_sizes[k mod len] requests.",
+    )
+    prefix_tokens: int = Field(
+        65536, ge=1, le=MAX_TOKENS, description="Prefix shared by a burst (P), tokens."
+    )
     burst_spread_s: float = Field(
         8.0,
         ge=0,
@@ -126,47 +148,103 @@ class BurstedParams(StrictModel):
         "burst; ≤ 10 keeps the whole burst inside the audit's deep window).",
     )
     suffix_tokens_median: float = Field(
-        1024, gt=0, description="Median per-request suffix after the shared prefix, tokens."
+        1024,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Median per-request suffix after the shared prefix, tokens.",
     )
-    suffix_sigma: float = Field(0.5, ge=0, description="Log-normal sigma of suffix lengths.")
-    output_tokens_median: float = Field(256, gt=0, description="Median output length, tokens.")
-    output_sigma: float = Field(0.7, ge=0, description="Log-normal sigma of output lengths.")
-    max_output_tokens: int = Field(4096, ge=1, description="Output length cap, tokens.")
+    suffix_sigma: float = Field(0.5, ge=0, le=10, description="Log-normal sigma of suffix lengths.")
+    output_tokens_median: float = Field(
+        256, gt=0, le=MAX_TOKENS, description="Median output length, tokens."
+    )
+    output_sigma: float = Field(0.7, ge=0, le=10, description="Log-normal sigma of output lengths.")
+    max_output_tokens: int = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Output length cap, tokens."
+    )
     decoys_per_window: int = Field(
-        4, ge=0, description="Decoy jobs per window: same prefix length, too few repeats."
+        4,
+        ge=0,
+        le=MAX_REQUESTS,
+        description="Decoy jobs per window: same prefix length, too few repeats.",
     )
     decoy_repeats: int = Field(
-        3, ge=1, description="Requests per decoy job, spread over the window."
+        3, ge=1, le=MAX_REQUESTS, description="Requests per decoy job, spread over the window."
     )
     background_rate_per_s: float = Field(
         2.0, ge=0, description="Poisson rate of unrelated background requests (0 = none)."
     )
     background_tokens_median: float = Field(
-        3000, gt=0, description="Median background prompt length, tokens."
+        3000, gt=0, le=MAX_TOKENS, description="Median background prompt length, tokens."
     )
     background_prefixes: int = Field(
-        8, ge=1, description="Distinct short system prompts shared by background requests."
+        8,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Distinct short system prompts shared by background requests.",
     )
     background_prefix_tokens: int = Field(
-        2048, ge=0, description="Length of each background system prompt, tokens."
+        2048, ge=0, le=MAX_TOKENS, description="Length of each background system prompt, tokens."
     )
     real_windows: int = Field(
-        0, ge=0, description="Plain windows cut from `real_trace` (source 'art')."
+        0, ge=0, le=MAX_REQUESTS, description="Plain windows cut from `real_trace` (source 'art')."
     )
     real_trace: str | None = Field(
         None, description="Trace file for plain windows, relative to the hypothesis folder."
     )
     real_trace_format: str = Field("mooncake", description="Format of `real_trace`.")
+    hinted_bursts: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of burst jobs whose requests carry a job kind in their metadata "
+        "(labeling, batch_extraction or subagent_fanout); the others carry none.",
+    )
+    hinted_decoys: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of decoy jobs whose requests carry such a job kind too: hints "
+        "that announce a burst that never comes.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BurstedParams:
         if self.burst_spread_s > self.window_s:
             raise ValueError("burst_spread_s must not exceed window_s")
-        if self.bursts_per_window and self.decoy_repeats >= self.burst_size:
+        if self.burst_sizes is not None and min(self.burst_sizes) < 1:
+            raise ValueError("burst_sizes must all be at least 1")
+        if self.bursts_per_window and self.decoy_repeats >= self.smallest_burst:
             raise ValueError("decoy_repeats must be smaller than burst_size (else it is a burst)")
         if self.real_windows and not self.real_trace:
             raise ValueError("real_windows needs real_trace")
+        size = max(self.burst_sizes) if self.burst_sizes else self.burst_size
+        per_window = (
+            self.bursts_per_window * size
+            + self.decoys_per_window * self.decoy_repeats
+            + self.background_rate_per_s * self.window_s
+        )
+        check_request_count(self.windows * per_window, "windows × requests per window")
         return self
+
+    @property
+    def smallest_burst(self) -> int:
+        """The fewest requests any burst has."""
+        return min(self.burst_sizes) if self.burst_sizes is not None else self.burst_size
+
+    def size_of_burst(self, k: int) -> int:
+        """Requests in the k-th burst of the run (0-based, window by window)."""
+        if self.burst_sizes is None:
+            return self.burst_size
+        return self.burst_sizes[k % len(self.burst_sizes)]
+
+
+def check_request_count(expected: float, what: str) -> None:
+    """Refuse generator parameters that make more than MAX_REQUESTS requests."""
+    if expected > MAX_REQUESTS:
+        raise ValueError(
+            f"these parameters make about {expected:,.0f} requests ({what}); the limit is "
+            f"{MAX_REQUESTS:,} per run"
+        )
 
 
 def _split_windows(
@@ -218,6 +296,7 @@ def _add(
     output_tokens: int,
     group_id: str | None,
     block_tokens: int,
+    job_kind: str | None = None,
 ) -> None:
     """Append one synthetic request of a bursted window."""
     rows.append(
@@ -231,8 +310,18 @@ def _add(
             group_id=group_id,
             trace_id=trace_id,
             source="synthetic",
+            job_kind=job_kind,
         )
     )
+
+
+def _job_kind(hints: np.random.Generator, share: float) -> str | None:
+    """The job kind one job's requests carry: with probability `share` one of the burst
+    kinds, else none. Drawn from the hint stream only, so the requests themselves do not
+    depend on the hint settings."""
+    hinted = hints.random() < share
+    kind = BURST_JOB_KINDS[int(hints.integers(0, len(BURST_JOB_KINDS)))]
+    return kind if hinted else None
 
 
 def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
@@ -240,6 +329,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
     import numpy as np
 
     rng = np.random.default_rng(ctx.seed)
+    hints = np.random.default_rng([ctx.seed, 0x6A6F62])  # job kinds: a stream of their own
     ids = BlockIdAllocator(f"bursted:{ctx.seed}")
     bt = ctx.block_tokens
     splits = _split_windows(rng, p.windows, p.train_fraction)
@@ -252,14 +342,16 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
         rows: list[Request] = []
 
         for b in range(p.bursts_per_window):
+            kind = _job_kind(hints, p.hinted_bursts)
+            size = p.size_of_burst(w * p.bursts_per_window + b)
             prefix = ids.take(p.prefix_tokens // bt)
             start_s = rng.uniform(0, p.window_s - p.burst_spread_s)
-            arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, p.burst_size))
+            arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, size))
             suffixes = _lognormal_ints(
-                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, p.burst_size
+                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, size
             )
             outputs = _lognormal_ints(
-                rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, p.burst_size
+                rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, size
             )
             for t, s, o in zip(arrivals, suffixes, outputs, strict=True):
                 _add(
@@ -273,8 +365,10 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                     o,
                     f"{trace_id}-burst{b}",
                     bt,
+                    kind,
                 )
         for d in range(p.decoys_per_window):
+            kind = _job_kind(hints, p.hinted_decoys)
             prefix = ids.take(p.prefix_tokens // bt)
             arrivals = np.sort(rng.uniform(0, p.window_s, p.decoy_repeats))
             suffixes = _lognormal_ints(
@@ -300,6 +394,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                     o,
                     f"{trace_id}-decoy{d}",
                     bt,
+                    kind,
                 )
         n_background = int(rng.poisson(p.background_rate_per_s * p.window_s))
         arrivals = np.sort(rng.uniform(0, p.window_s, n_background))
@@ -345,6 +440,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                         trace_id=trace_id,
                         source="art",
                         turn=request.turn,
+                        job_kind=request.job_kind,
                     )
                 )
     return out
@@ -356,35 +452,65 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
 class AgenticParams(StrictModel):
     """Multi-turn agent sessions: each turn re-sends the whole context plus new tokens."""
 
-    sessions: int = Field(80, ge=1, description="Number of sessions.")
+    sessions: int = Field(
+        80,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Number of sessions (sessions × mean turns at most 10,000,000 requests).",
+    )
     session_rate_per_s: float = Field(0.2, gt=0, description="Poisson rate of session starts.")
     turns_mean: float = Field(2.5, ge=1, description="Mean turns per session (geometric).")
-    max_turns: int = Field(12, ge=1, description="Most turns in one session.")
+    max_turns: int = Field(12, ge=1, le=MAX_REQUESTS, description="Most turns in one session.")
     think_time_s_mean: float = Field(
         15.0, ge=0, description="Mean gap between a turn's arrival and the next (exponential)."
     )
-    system_prompts: int = Field(4, ge=1, description="Distinct agent system prompts.")
-    system_prompt_tokens: int = Field(2048, ge=0, description="System prompt length, tokens.")
+    system_prompts: int = Field(
+        4, ge=1, le=MAX_REQUESTS, description="Distinct agent system prompts."
+    )
+    system_prompt_tokens: int = Field(
+        2048, ge=0, le=MAX_TOKENS, description="System prompt length, tokens."
+    )
     first_turn_tokens_median: float = Field(
-        17000, gt=0, description="Median first-turn task context after the system prompt."
+        17000,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Median first-turn task context after the system prompt.",
     )
-    first_turn_sigma: float = Field(0.8, ge=0, description="Log-normal sigma of first turns.")
+    first_turn_sigma: float = Field(
+        0.8, ge=0, le=10, description="Log-normal sigma of first turns."
+    )
     growth_tokens_median: float = Field(
-        1200, gt=0, description="Median new tokens a later turn adds (tool output, user text)."
+        1200,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Median new tokens a later turn adds (tool output, user text).",
     )
-    growth_sigma: float = Field(1.0, ge=0, description="Log-normal sigma of context growth.")
+    growth_sigma: float = Field(1.0, ge=0, le=10, description="Log-normal sigma of context growth.")
     large_addition_prob: float = Field(
         0.05, ge=0, le=1, description="Chance a later turn adds a large document instead."
     )
     large_addition_tokens_median: float = Field(
-        24000, gt=0, description="Median size of such a large addition, tokens."
+        24000, gt=0, le=MAX_TOKENS, description="Median size of such a large addition, tokens."
     )
-    output_tokens_median: float = Field(200, gt=0, description="Median output length, tokens.")
-    output_sigma: float = Field(1.0, ge=0, description="Log-normal sigma of output lengths.")
-    max_output_tokens: int = Field(4096, ge=1, description="Output length cap, tokens.")
+    output_tokens_median: float = Field(
+        200, gt=0, le=MAX_TOKENS, description="Median output length, tokens."
+    )
+    output_sigma: float = Field(1.0, ge=0, le=10, description="Log-normal sigma of output lengths.")
+    max_output_tokens: int = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Output length cap, tokens."
+    )
     max_context_tokens: int = Field(
-        131072, ge=1, description="A session ends before its context would exceed this."
+        131072,
+        ge=1,
+        le=MAX_TOKENS,
+        description="A session ends before its context would exceed this.",
     )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> AgenticParams:
+        turns = min(float(self.max_turns), self.turns_mean)
+        check_request_count(self.sessions * turns, "sessions × mean turns")
+        return self
 
 
 def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
@@ -455,21 +581,35 @@ def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
 class PoissonParams(StrictModel):
     """Poisson arrivals over synthetic prompts that share a few popular prefixes."""
 
-    requests: int = Field(1000, ge=1, description="Number of requests.")
+    requests: int = Field(
+        1000,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Number of requests (at most MAX_REQUESTS = 10,000,000 per run, ten times "
+        "the one-million-request simulator benchmark).",
+    )
     rate_per_s: float = Field(5.0, gt=0, description="Mean arrival rate, requests per second.")
-    prefixes: int = Field(16, ge=1, description="Distinct shared prefixes.")
-    prefix_tokens: int = Field(4096, ge=0, description="Length of each shared prefix, tokens.")
+    prefixes: int = Field(16, ge=1, le=MAX_REQUESTS, description="Distinct shared prefixes.")
+    prefix_tokens: int = Field(
+        4096, ge=0, le=MAX_TOKENS, description="Length of each shared prefix, tokens."
+    )
     prefix_zipf: float = Field(
         1.1, ge=0, description="Zipf exponent of prefix popularity (0 = uniform)."
     )
     shared_fraction: float = Field(
         0.8, ge=0, le=1, description="Share of requests that start with a shared prefix."
     )
-    suffix_tokens_median: float = Field(512, gt=0, description="Median own suffix, tokens.")
-    suffix_sigma: float = Field(0.8, ge=0, description="Log-normal sigma of suffix lengths.")
-    output_tokens_median: float = Field(256, gt=0, description="Median output length, tokens.")
-    output_sigma: float = Field(0.7, ge=0, description="Log-normal sigma of output lengths.")
-    max_output_tokens: int = Field(4096, ge=1, description="Output length cap, tokens.")
+    suffix_tokens_median: float = Field(
+        512, gt=0, le=MAX_TOKENS, description="Median own suffix, tokens."
+    )
+    suffix_sigma: float = Field(0.8, ge=0, le=10, description="Log-normal sigma of suffix lengths.")
+    output_tokens_median: float = Field(
+        256, gt=0, le=MAX_TOKENS, description="Median output length, tokens."
+    )
+    output_sigma: float = Field(0.7, ge=0, le=10, description="Log-normal sigma of output lengths.")
+    max_output_tokens: int = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Output length cap, tokens."
+    )
 
 
 class GammaParams(PoissonParams):

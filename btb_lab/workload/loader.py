@@ -7,6 +7,7 @@ gap by `time_scale` → lay windows end to end (`window_gap_s` apart) → set `b
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -54,7 +55,9 @@ def validate_workload_spec(spec: WorkloadSpec, base_dir: Path) -> None:
                 f"choose one of: {', '.join(FORMATS.names())}"
             )
         path = _trace_path(spec, base_dir)
-        if not path.is_file():
+        if path.is_dir():
+            problems.append(f"workload.trace.path: {path}: is a directory, not a trace file")
+        elif not path.is_file():
             problems.append(f"workload.trace.path: trace file not found: {path}")
     if spec.generator is not None:
         kind = spec.generator.kind
@@ -112,12 +115,16 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
     """The requests a hypothesis replays, ordered by arrival, with `time_scale` applied."""
     validate_workload_spec(spec, base_dir)
     if spec.trace is not None:
+        path = _trace_path(spec, base_dir)
         loaded = load_trace(
-            _trace_path(spec, base_dir),
+            path,
             spec.trace.format,
             block_tokens=spec.block_tokens,
             skip_bad_rows=spec.trace.skip_bad_rows,
         )
+        if not loaded.requests:
+            skipped = f" ({len(loaded.bad_rows)} malformed rows skipped)" if loaded.bad_rows else ""
+            raise UserError(f"{path}: trace has no requests{skipped}")
     else:
         assert spec.generator is not None
         entry = GENERATORS.get(spec.generator.kind)
@@ -147,4 +154,12 @@ def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestLi
     scaled = apply_time_scale(selected, spec.time_scale, spec.window_gap_s)
     if spec.variation is not None:
         scaled = vary_requests(scaled, spec.variation, seed, stage="jitter")
+    if not all(math.isfinite(r.arrival_s) for r in scaled):
+        jitter = spec.variation.arrival_jitter_s if spec.variation is not None else 0.0
+        raise UserError(
+            "workload: arrival times overflow to infinity after time_scale="
+            f"{spec.time_scale:g}, window_gap_s={spec.window_gap_s:g}"
+            + (f" and variation.arrival_jitter_s={jitter:g}" if jitter else "")
+            + "; use smaller values"
+        )
     return RequestList(scaled, loaded.bad_rows)

@@ -25,11 +25,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MAX_REQUESTS, MAX_TOKENS
 from btb_lab.records import Request
-from btb_lab.workload.generators import GENERATORS, GenContext, GeneratorEntry
+from btb_lab.workload.generators import (
+    GENERATORS,
+    GenContext,
+    GeneratorEntry,
+    check_request_count,
+)
 from btb_lab.workload.hashing import BlockIdAllocator
 
 if TYPE_CHECKING:  # numpy loads with the first workload drawn, not at validate time
@@ -42,7 +48,11 @@ class SeedBurstyParams(StrictModel):
     """The seed's synthetic window shape; every default is the seed's."""
 
     windows: int = Field(
-        15, ge=1, le=10_000, description="Synthetic windows (the seed's test split: 15)."
+        15,
+        ge=1,
+        le=10_000,
+        description="Synthetic windows (the seed's test split: 15; windows × (bursts × "
+        f"burst_size + decoys) at most {MAX_REQUESTS:,} requests).",
     )
     bursts: int = Field(8, ge=0, le=1_000, description="Burst jobs per window.")
     burst_size: int = Field(500, ge=1, le=100_000, description="Requests per burst job.")
@@ -55,16 +65,22 @@ class SeedBurstyParams(StrictModel):
         60.0, ge=0, description="A burst's arrivals are evenly spaced over this many seconds."
     )
     prefix_tokens: int = Field(
-        65_536, ge=1, le=10_000_000, description="Shared prefix of a job, tokens (whole blocks)."
+        65_536, ge=1, le=MAX_TOKENS, description="Shared prefix of a job, tokens (whole blocks)."
     )
     suffix_tokens: int = Field(
-        256, ge=0, le=10_000_000, description="Each request's own tokens after the prefix."
+        256, ge=0, le=MAX_TOKENS, description="Each request's own tokens after the prefix."
     )
     output_tokens: int = Field(1, ge=1, le=1_000_000, description="Output tokens per request.")
     decoys: int = Field(120, ge=0, le=100_000, description="Single-request decoy jobs per window.")
     decoy_lead_s: float = Field(
         6.0, ge=0, description="Decoys may start this long before the first burst."
     )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> SeedBurstyParams:
+        per_window = self.bursts * self.burst_size + self.decoys
+        check_request_count(self.windows * per_window, "windows × requests per window")
+        return self
 
 
 def generate_seed_bursty(p: SeedBurstyParams, ctx: GenContext) -> list[Request]:

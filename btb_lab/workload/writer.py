@@ -30,7 +30,8 @@ def _base36(value: int) -> str:
 
 
 def bursted_art_rows(requests: Iterable[Request]) -> Iterable[dict[str, Any]]:
-    """One Bursted-ART row per request; `metadata` keeps turn and train/test split."""
+    """One Bursted-ART row per request; `metadata` keeps turn, train/test split and the
+    job kind where the request has one."""
     names: dict[int, str] = {}
     for request in requests:
         hash_ids = []
@@ -43,6 +44,8 @@ def bursted_art_rows(requests: Iterable[Request]) -> Iterable[dict[str, Any]]:
         split = request.trace_id.split("-", 1)[0]
         if split in ("train", "test"):
             metadata["split"] = split
+        if request.job_kind is not None:
+            metadata["job_kind"] = request.job_kind
         if request.source not in ("art", "synthetic"):
             raise ValueError(f"source {request.source!r} is not art or synthetic")
         yield {

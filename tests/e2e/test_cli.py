@@ -118,12 +118,12 @@ def test_run_report_log_list_round_trip(tmp_path: Path, monkeypatch, fake_effect
     assert "runs: 4" in dry.output
     assert not (tmp_path / "results").exists()
 
-    result = invoke("run", str(hyp), "--backend", "fake", "--no-progress", "--requests", "60")
+    result = invoke("run", str(hyp), "--backend", "fake", "--no-progress")
     assert result.exit_code == 0, result.output
     assert "Verdict: VALIDATED" in result.output
     (run_dir,) = (tmp_path / "results" / "HT").iterdir()
     assert f"report: {Path('results') / 'HT' / run_dir.name / 'report.md'}" in result.output
-    assert "OK=60/60" in (run_dir / "report.md").read_text()
+    assert "OK=120/120" in (run_dir / "report.md").read_text()
 
     before = (run_dir / "report.md").read_bytes()
     rerun = invoke("report", "HT")

@@ -42,7 +42,7 @@ class ListSink:
 
 
 class ZeroCosts:
-    def prefill_s(self, instance: int, tokens: int) -> float:
+    def prefill_s(self, instance: int, tokens: int, cached_tokens: int = 0) -> float:
         return 0.0
 
     def transfer_s(self, tokens: int, source: int, target: int) -> float:
@@ -60,9 +60,11 @@ class Scripted(Policy):
         self.decision = decision
         self.views: list[list[tuple[int, int]]] = []
         self.finished: list[str] = []
+        self.job_kinds: list[str | None] = []
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         self.views.append([(i.running, i.outstanding_tokens) for i in view.instances])
+        self.job_kinds.append(request.job_kind)
         return self.decision
 
     def on_finish(self, request: Request, instance: int, now_s: float) -> None:
@@ -380,7 +382,8 @@ def test_proxy_routes_and_streams(fakes: Any) -> None:
     )  # fmt: skip
     app = build_proxy_app(router, block_tokens=16)
     with serve_in_thread(app) as url:
-        body = {"model": "fake-model", "prompt": list(range(40)), "max_tokens": 3, "stream": True}
+        body = {"model": "fake-model", "prompt": list(range(40)), "max_tokens": 3, "stream": True,
+                "metadata": {"job_kind": "labeling"}}  # fmt: skip
         with httpx.Client(trust_env=False) as c:
             with c.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
                 text = "".join(resp.iter_text())
@@ -389,6 +392,8 @@ def test_proxy_routes_and_streams(fakes: Any) -> None:
     assert text.count("data: ") == 4
     assert text.rstrip().endswith("data: [DONE]")
     assert fakes[1][0].requests[0]["prompt"] == list(range(40))
+    assert policy.job_kinds == ["labeling"]  # the router reads the job kind ...
+    assert "metadata" not in fakes[1][0].requests[0]  # ... and the engine never sees it
     assert state["instances"][1]["in_flight"] == 0
     assert policy.finished == ["proxy-0"]
     assert router.state.complete_blocks(1, prompt_block_hashes(list(range(40)), 16)) == 2

@@ -41,7 +41,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
     """Every launch starts a stand-in server (GET answers 200, POST 501) instead of vLLM."""
     launches: list[int] = []
 
-    def plan(cluster: Any, *, model: str) -> list[Any]:
+    def plan(cluster: Any, *, model: str, block_tokens: int | None = None) -> list[Any]:
         name = f"C0-{len(launches)}"
         launches.append(len(launches))
         spec = dummy_spec(tmp_path, name)

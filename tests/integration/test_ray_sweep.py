@@ -1,13 +1,12 @@
 """The Ray executor on a local Ray instance gives the same sweep table as a process pool.
 
-Marked `ray` and run by `make test-ray` (`pytest -m ray`). Starting Ray takes several
-seconds on a small machine, so the test skips itself unless `-m` selects the ray marker;
-plain `make test` stays fast.
+Marked `ray` and run by `make test-ray` (`pytest -m ray`, which installs the extra).
+Starting Ray takes several seconds on a small machine, so the default markers (pyproject)
+leave it out of plain `make test`.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,7 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _only_when_selected(request: pytest.FixtureRequest) -> None:
-    markexpr = str(request.config.getoption("markexpr") or "")
-    if not re.search(r"(?<!not )\bray\b", markexpr):
-        pytest.skip("starts Ray: run with -m ray (make test-ray)")
-
-
 def test_ray_table_equals_process_pool_table(tmp_path: Path) -> None:
-    pytest.importorskip("ray", reason="the Ray extra is not installed (pip install btb-lab[ray])")
     sweep = tmp_path / "tiny.yaml"
     sweep.write_text(
         f"""

@@ -114,3 +114,27 @@ def test_a_missing_or_bad_profile_is_a_line_numbered_error(tmp_path: Path) -> No
     with pytest.raises(ValidationFailed) as info:
         load_hypothesis(path)
     assert "prefill.fixed_s" in info.value.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("name: x\nname: y\n", "duplicate key"),
+        ("name: x\nprefill: !!python/object:os.system {}\n", "not allowed"),
+        ("name: x\x07\n", "unacceptable character"),
+        ("name: x\nprefill: {fixed_s: .nan, per_token_s: 0}\n", "prefill.fixed_s"),
+    ],
+)
+def test_a_profile_is_read_with_the_hypothesis_loaders_checks(
+    tmp_path: Path, body: str, expected: str
+) -> None:
+    text = HYPOTHESIS.replace("repeats: 1", "repeats: 1\ncosts:\n  model: {profile: p.yaml}")
+    path = tmp_path / "h.yaml"
+    path.write_text(text)
+    (tmp_path / "p.yaml").write_text(body)
+    with pytest.raises(ValidationFailed) as info:
+        load_hypothesis(path)
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{path}:")
+    assert f"{tmp_path / 'p.yaml'}:" in problem
+    assert expected in problem

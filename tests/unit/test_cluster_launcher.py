@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -264,3 +265,27 @@ def test_signal_to_the_owner_tears_down_the_tree(tmp_path: Path, sig: signal.Sig
     owner.wait()
     assert owner.returncode != 0
     assert not any(alive(p) for p in pids)
+
+
+def test_sigterm_during_a_cluster_run_is_a_terminate_not_a_ctrl_c(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cluster backend, `router serve` and calibration stop on SIGTERM through
+    `sigterm_raises`: the interrupt carries the signal, so the command exits 143."""
+    from btb_lab import interrupts
+    from btb_lab.cluster.launcher import sigterm_raises
+
+    monkeypatch.setattr(interrupts, "_received", [])
+    before = signal.getsignal(signal.SIGTERM)
+
+    def terminate_self() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs at the next bytecode boundary
+            time.sleep(0.01)
+
+    with sigterm_raises(), pytest.raises(interrupts.Terminated) as info:
+        terminate_self()
+    assert info.value.signum == signal.SIGTERM
+    assert interrupts.exit_code(info.value) == 143
+    assert interrupts.terminated()
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back

@@ -89,7 +89,7 @@ def endpoints(n: int) -> list[Endpoint]:
 
 
 class Costs:
-    def prefill_s(self, instance: int, tokens: int) -> float:
+    def prefill_s(self, instance: int, tokens: int, cached_tokens: int = 0) -> float:
         return tokens * 1e-4
 
     def transfer_s(self, tokens: int, source: int, target: int) -> float:

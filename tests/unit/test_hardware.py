@@ -34,9 +34,9 @@ def test_every_preset_fits_its_seed_setup() -> None:
         ("llama-3.3-70b", "H100", 4),
         ("qwen3-8b", "H100", 4),
         ("glm45", "H100", 4),
-        ("glm52", "H100", 8),
+        ("glm46", "H100", 8),
         ("kimi-k2", "H100", 8),
-        ("dense1t", "B300", 4),
+        ("dense1t-gqa16", "B300", 4),
     ]
     for model, gpu, n in setups:
         inst = make_instance(0, "C0", "C", GPU_PRESETS[gpu], n, MODEL_PRESETS[model])

@@ -19,7 +19,7 @@ class FakeCosts:
     transfer_setup_s: float = 1.0
     transfer_tokens_per_s: float = 1e6
 
-    def prefill_s(self, instance: int, tokens: int) -> float:
+    def prefill_s(self, instance: int, tokens: int, cached_tokens: int = 0) -> float:
         rate = self.prefill_tokens_per_s.get(instance, self.default_prefill_tokens_per_s)
         return tokens / rate
 

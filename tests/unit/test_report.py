@@ -116,6 +116,7 @@ def test_latest_verdicts_finds_runs_anywhere_and_skips_overridden_ones(tmp_path:
             run_id=run_id, run_dir=str(run_dir), hypothesis_id=hid, hypothesis_file="h.yaml",
             hypothesis={}, cli={"options": {"overrides": overrides or {}}}, backend="sim",
             variants=["b"], repeats=1, master_seed=0, runs_planned=1, started="now",
+            finished="later", complete=True,
         ).save(run_dir)  # fmt: skip
         (tmp_path / "junk").mkdir(exist_ok=True)  # a summary.json that is not ours is skipped
         (tmp_path / "junk" / "summary.json").write_text("{}")

@@ -10,11 +10,11 @@ from btb_lab.errors import UserError
 from btb_lab.records import RECORD_COLUMNS, STORED_COLUMNS, RequestRecord, UtilSample
 from btb_lab.results import (
     JsonlRecordSink,
+    Manifest,
     finalize_parquet,
     new_run_dir,
     read_records,
     resolve_run_dir,
-    write_json,
     write_utilization_part,
 )
 
@@ -67,13 +67,26 @@ def test_variant_order_is_kept(tmp_path: Path) -> None:
     assert read_records(tmp_path)["variant"].tolist() == ["zeta", "alpha"]
 
 
+def manifest(run_dir: Path, hid: str = "H1", **fields: object) -> Manifest:
+    data: dict[str, object] = {
+        "run_id": run_dir.name, "run_dir": str(run_dir), "hypothesis_id": hid,
+        "hypothesis_file": "h.yaml", "hypothesis": {}, "backend": "sim", "variants": ["a"],
+        "repeats": 1, "master_seed": 0, "runs_planned": 1, "started": "now",
+        "finished": "later", "complete": True,
+    }  # fmt: skip
+    data.update(fields)
+    m = Manifest.model_validate(data)
+    m.save(run_dir)
+    return m
+
+
 def test_run_dirs_and_resolution(tmp_path: Path) -> None:
     a = new_run_dir(tmp_path, "H1")
     b = new_run_dir(tmp_path, "H1")
     assert a != b
     assert a.parent == tmp_path / "H1"
     for d in (a, b):
-        write_json(d / "manifest.json", {"run_id": d.name})
+        manifest(d)
     assert resolve_run_dir("H1", tmp_path) == max(a, b)
     assert resolve_run_dir(a, tmp_path) == a
     with pytest.raises(UserError, match="neither a run directory"):

@@ -25,7 +25,7 @@ def test_bench_json_reports_speed_and_memory() -> None:
 
 def test_costs_rejects_a_model_that_does_not_fit() -> None:
     result = CliRunner().invoke(
-        app, ["sim", "costs", "--model", "dense1t", "--gpu", "H100", "--gpus", "1"]
+        app, ["sim", "costs", "--model", "dense1t-gqa16", "--gpu", "H100", "--gpus", "1"]
     )
     assert result.exit_code != 0
     assert "does not fit" in str(result.exception)

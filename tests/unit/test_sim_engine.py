@@ -15,7 +15,8 @@ from btb_lab.policies.base import ClusterView, Decision, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
 from btb_lab.sim.backend import run_engine
 from btb_lab.sim.bench import BenchCacheAware, bench_instances, bench_workload
-from btb_lab.sim.engine import JOB_REQ, Engine, _Job
+from btb_lab.sim.engine import Engine
+from btb_lab.sim.jobs import ReqJob
 
 LLAMA = MODEL_PRESETS["llama-3.3-70b"]
 H100 = GPU_PRESETS["H100"]
@@ -210,6 +211,39 @@ def test_request_larger_than_the_kv_budget_fails_cleanly() -> None:
     assert sorted(policy.finished) == [("big", 0), ("ok", 0)]
 
 
+def test_failed_offload_notifies_the_policy_with_its_decode_instance() -> None:
+    """A prefill offload too big for its prefill instance fails there; the policy hears of
+    it as of a finished request, for the instance it routed the request to (the decode
+    instance), and the load it added on both instances is released."""
+    cap = nodes(1)[0].kv_budget_tokens
+    big = Request("big", 0.0, cap + 1, 1, (), 512)
+    policy = Scripted({"big": Decision(1, "PS", prefill_instance=0)})
+    recs, eng = run([big], policy)
+    assert recs["big"].ok is False
+    assert recs["big"].prefill_instance == "C0"
+    assert policy.finished == [("big", 1)]
+    assert [i.load.outstanding_tokens for i in eng.insts] == [0, 0]
+    assert eng.stats["failed"] == 1
+
+
+def test_policy_without_on_finish_is_not_called() -> None:
+    """`on_finish` is skipped, for finished and failed requests alike, when the policy
+    keeps the base class's (a no-op)."""
+
+    class NoState(Policy):
+        name: ClassVar[str] = "no_state"
+
+        def route(self, request: Request, view: ClusterView) -> Decision:
+            return Decision(0)
+
+    eng = Engine(roofline(nodes(1)), SimSettings(), NoState(Policy.Params()), block_tokens=512)
+    assert eng.notify_finish is False
+    assert (
+        Engine(roofline(nodes(1)), SimSettings(), Scripted({}), block_tokens=512).notify_finish
+        is True
+    )
+
+
 def test_utilization_is_busy_fraction_per_sample_interval() -> None:
     r = Request("a", 0.25, 1024, 11, (1, 2), 512)
     util, _, _ = run_engine(roofline(nodes()), SimSettings(), Scripted({}), [r], lambda rec: None)
@@ -277,8 +311,8 @@ def test_shared_prefix_lets_a_burst_run_concurrently_only_with_sharing(visibilit
         assert rec.first_token_s == pytest.approx(t0 + i * 512 * P_TOK, rel=1e-9)
         assert rec.queue_s == pytest.approx(t0 + (i - 1) * 512 * P_TOK - 0.001 * i, rel=1e-9)
         assert rec.first_token_s < on["r0"].finish_s  # type: ignore[operator]
-    assert eng.insts[0].pins == {}
-    assert eng.insts[0].reserved == 0
+    assert eng.insts[0].cache.n_pinned() == 0
+    assert eng.insts[0].cache.reserved == 0
 
     off, _ = run(reqs, Scripted({}), insts=inst, kv_visibility=visibility, kv_prefix_sharing=False)
     # each reserves its whole 60%-of-budget prompt: they run one at a time
@@ -342,7 +376,7 @@ def test_offload_decode_side_shares_the_received_prefix() -> None:
     assert r1.cached_tokens == len(prefix) * 512
     assert r1.first_token_s < r0.finish_s  # type: ignore[operator]
     for i in eng.insts:
-        assert (i.pins, i.reserved) == ({}, 0)
+        assert (i.cache.n_pinned(), i.cache.reserved) == (0, 0)
     recs, _ = run(reqs, Scripted(script), kv_visibility="after_prefill", kv_prefix_sharing=False)
     assert recs["r1"].first_token_s >= recs["r0"].finish_s  # type: ignore[operator]
 
@@ -403,7 +437,7 @@ def test_shared_prefix_attention_reads_a_shared_prefix_once_by_hand(
     )
     assert step0 == pytest.approx(decode_step_s(2 * 2561 - dup), rel=1e-12)
     for inst in eng.insts:
-        assert (inst.dec_refs, inst.shared_dup_tokens, inst.ctx_base) == ({}, 0, 0)
+        assert (inst.shared.refs, inst.shared.dup_tokens, inst.ctx_base) == ({}, 0, 0)
 
 
 def test_shared_prefix_attention_counts_each_block_once_for_three_sequences() -> None:
@@ -418,20 +452,22 @@ def test_shared_prefix_attention_counts_each_block_once_for_three_sequences() ->
     jobs = []
     for i, blocks in enumerate([(*shared, 10), (*shared, 11), (*shared, 12), (7, 8, 9)]):
         r = req(f"r{i}", 0.0, blocks, out=5)
-        job = _Job(JOB_REQ, r, None)
+        rec = RequestRecord(
+            "v", 0, r.request_id, "", "", None, "C0", "COLO", 0.0, 0.0, 0.0, None, 0, 5
+        )
+        job = ReqJob(r, rec, 0)
         job.n_pin = len(blocks)
-        for h in blocks:
-            inst.pins[h] = inst.pins.get(h, 0) + 1
+        inst.cache.insert_pinned(blocks, 0)
         eng._begin_decode(inst, job)
         jobs.append(job)
     contexts = 3 * (2560 + 1) + (1536 + 1)
-    assert inst.shared_dup_tokens == 2 * 4 * 512
+    assert inst.shared.dup_tokens == 2 * 4 * 512
     assert inst.ctx_base == contexts - 2 * 4 * 512
     eng._leave_shared(inst, jobs[0])
-    assert inst.shared_dup_tokens == 4 * 512
+    assert inst.shared.dup_tokens == 4 * 512
     for job in jobs[1:]:
         eng._leave_shared(inst, job)
-    assert (inst.dec_refs, inst.shared_dup_tokens) == ({}, 0)
+    assert (inst.shared.refs, inst.shared.dup_tokens) == ({}, 0)
 
 
 def test_shared_prefix_attention_needs_prefix_sharing() -> None:

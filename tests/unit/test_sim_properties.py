@@ -143,8 +143,8 @@ def test_engine_invariants(
             assert entry.start_s >= entry.source_complete_s - 1e-12
     assert stats["failed"] == 0
     for inst in engine.insts:  # every reference and reservation was released
-        assert (inst.pins, inst.reserved) == ({}, 0)
-        assert (inst.dec_refs, inst.shared_dup_tokens, inst.ctx_base) == ({}, 0, 0)
+        assert (inst.cache.n_pinned(), inst.cache.reserved) == (0, 0)
+        assert (inst.shared.refs, inst.shared.dup_tokens, inst.ctx_base) == ({}, 0, 0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -186,4 +186,4 @@ def test_sharing_under_memory_pressure_keeps_the_budget(
         assert sorted(r.request_id for r in recs) == sorted(r.request_id for r in reqs)
         assert all(r.ok for r in recs)
         for inst in engine.insts:
-            assert (inst.pins, inst.reserved) == ({}, 0)
+            assert (inst.cache.n_pinned(), inst.cache.reserved) == (0, 0)

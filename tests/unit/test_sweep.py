@@ -305,11 +305,16 @@ def test_cli_help_and_dry_run(tmp_path: Path) -> None:
     assert result.exit_code == 0
     assert "--executor" in result.output
     assert "--jobs" in result.output
-    path = write_sweep(tmp_path, GRID_SWEEP)
+    from tests.unit.test_runner_fake import HYPOTHESIS
+
+    path = write_sweep(
+        tmp_path, GRID_SWEEP.replace("small}", "qwen3-8b}").replace("large}", "glm45}")
+    )
+    (tmp_path / "base.yaml").write_text(HYPOTHESIS, encoding="utf-8")  # --dry-run validates
     result = runner.invoke(app, ["sweep", str(path), "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "6 points" in result.output
-    assert "model=large" in result.output
+    assert "model=glm45" in result.output
     assert not (tmp_path / "results").exists()
 
 

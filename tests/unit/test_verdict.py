@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 
 from btb_lab.analysis.bootstrap import counts_percentile
+from btb_lab.analysis.intervals import paired_units
 from btb_lab.analysis.metrics import latency_stat
-from btb_lab.analysis.verdict import evaluate_verdict, paired_units
+from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import VerdictRule
 from btb_lab.records import derive_timings
 

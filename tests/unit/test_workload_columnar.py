@@ -286,3 +286,24 @@ def test_a_row_without_a_turn_keeps_the_fast_path(
     assert took_fast
     assert fast == rows
     assert [r.turn for r in fast[1]] == [1, 1]
+
+
+@pytest.mark.parametrize(("kind", "fast"), [("summarize", True), ("", False)])
+def test_job_kind_is_read_alike_on_both_paths(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str, fast: bool
+) -> None:
+    """A `metadata.job_kind` (the prompt-hint prior) comes through the fast path as the row
+    loader reads it; an empty one, which the row loader refuses, falls back to it."""
+    rows = [
+        {"arrival_s": float(i), "trace_id": "w", "source": "synthetic", "request_id": f"r{i}",
+         "input_length": 512, "output_length": 1, "hash_ids": [i],
+         "metadata": {"job_kind": kind} if i else {}}
+        for i in range(3)
+    ]  # fmt: skip
+    path = tmp_path / "kinds.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    default, row_loader, took_fast = both(monkeypatch, path, "bursted-art")
+    assert default == row_loader
+    assert took_fast is fast
+    if fast:
+        assert [r.job_kind for r in default[1]] == [None, kind, kind]

@@ -1,0 +1,53 @@
+"""SIGTERM handled like Ctrl-C: while `terminate_interrupts()` is active, SIGTERM raises
+`Terminated` (a KeyboardInterrupt) in the main thread, so every partial-results path
+that handles Ctrl-C (records kept, manifest marked interrupted, report rendered) runs for
+a `kill` or a job scheduler's stop too."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+__all__ = ["Terminated", "exit_code", "terminate_interrupts", "terminated"]
+
+# SIGTERMs this process received while `terminate_interrupts` was active
+_received: list[int] = []
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived; handled exactly as Ctrl-C, exit status 128 + signal number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def exit_code(exc: BaseException) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM (128 + the signal number, as shells report it)."""
+    return 128 + int(getattr(exc, "signum", signal.SIGINT))
+
+
+@contextmanager
+def terminate_interrupts() -> Iterator[None]:
+    """SIGTERM raises `Terminated` while active (a no-op off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _received.append(signum)
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def terminated() -> bool:
+    """Whether a SIGTERM arrived (click reports any KeyboardInterrupt as exit 130)."""
+    return bool(_received)

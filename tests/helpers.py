@@ -1,0 +1,129 @@
+"""Shared by the reliability tests: the CLI's `main()` run in-process (its real exit code,
+stdout and stderr, as a user sees them; typer's CliRunner skips `main()`'s error
+handling), and a small hypothesis that the simulator runs in about a second.
+
+These helpers use only the CLI and the package's public entry points, so the tests built
+on them can also be pointed at an older checkout to show that they fail there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["SMALL", "CliResult", "cli", "cli_subprocess", "python_env", "write_small"]
+
+# Two instances, 60 Poisson requests, two variants: a full simulator run is about a second.
+SMALL = """\
+id: HS
+title: Small hypothesis
+claim: round robin is no worse than least load
+backend: sim
+model: llama-3.3-70b
+cluster:
+  instances:
+    - {role: C, count: 2, gpu: H100, gpus: 4}
+workload:
+  generator:
+    kind: poisson
+    params: {requests: 60, rate_per_s: 4.0}
+classes:
+  - name: LONG
+    when:
+      - {field: input_tokens, op: ">=", value: 4000}
+  - name: SHORT
+variants:
+  base:
+    router: {policy: least_load}
+  fast:
+    router: {policy: round_robin}
+baseline: base
+repeats: 1
+seed: 3
+verdict:
+  metric: ttft_p90
+  direction: decrease
+  min_effect: 0.05
+  guards:
+    - {metric: ok_rate, max_worse: 0.01}
+  bootstrap_samples: 200
+  min_ok_requests: 20
+"""
+
+
+def write_small(folder: Path, name: str = "hs.yaml", text: str = SMALL, **replace: str) -> Path:
+    """The small hypothesis (with `old=new` replacements) written to `folder/name`."""
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@dataclass
+class CliResult:
+    code: int | None  # None: main() raised instead of exiting (a traceback)
+    out: str
+    err: str
+
+    @property
+    def output(self) -> str:
+        return self.out + self.err
+
+    @property
+    def traceback(self) -> bool:
+        return self.code is None or "Traceback (most recent call last)" in self.output
+
+
+def cli(*args: str | Path) -> CliResult:
+    """`btb-lab ARGS` through `btb_lab.cli.main` in this process."""
+    from btb_lab.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = ["btb-lab", *map(str, args)]
+    code: int | None = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:
+                code = None
+                err.write(traceback.format_exc())
+    finally:
+        sys.argv = argv
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python that imports the same btb_lab as this one."""
+    import btb_lab
+
+    env = dict(os.environ)
+    package_root = str(Path(btb_lab.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+MAIN = "import sys; from btb_lab.cli import main; sys.argv = ['btb-lab', *sys.argv[1:]]; main()"
+
+
+def cli_subprocess(
+    *args: str | Path, cwd: Path | None = None, timeout_s: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`btb-lab ARGS` in a child process (for signals and hang guards)."""
+    return subprocess.run(
+        [sys.executable, "-c", MAIN, *map(str, args)],
+        capture_output=True, text=True, check=False, cwd=cwd, timeout=timeout_s,
+        env=python_env(),
+    )  # fmt: skip

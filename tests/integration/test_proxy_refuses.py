@@ -1,0 +1,165 @@
+"""What `router serve`'s proxy refuses and survives (issue 16, item 9), against fake vLLM
+servers: malformed requests get 400 with a message (never a 500 and a server-side
+traceback), an oversized body gets 413 before it is parsed, and an instance that refuses
+connections is routed around — also under session affinity — with its failures counted."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any, ClassVar
+
+import httpx
+import pytest
+
+from btb_lab.cluster.backend import make_client
+from btb_lab.cluster.fake_server import FakeConfig, FakeVLLM, serve_in_thread
+from btb_lab.cluster.launcher import Endpoint
+from btb_lab.cluster.proxy import build_proxy_app, make_router
+from btb_lab.policies import build_policy
+from btb_lab.policies.base import Decision, NoParams, Policy
+from btb_lab.records import Request
+
+
+class Scripted(Policy):
+    """Routes every request where the test says and remembers what it was asked."""
+
+    name: ClassVar[str] = "scripted-proxy"
+    Params = NoParams
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(NoParams())
+        self.decision = decision
+        self.views: list[int] = []
+
+    def route(self, request: Request, view: Any) -> Decision:
+        self.views.append(len(view.instances))
+        return self.decision
+
+
+class ZeroCosts:
+    def prefill_s(self, instance: int, tokens: int) -> float:
+        return 0.0
+
+    def transfer_s(self, tokens: int, source: int, target: int) -> float:
+        return 0.0
+
+
+def dead_url() -> str:
+    """A local port nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def upstreams() -> Iterator[list[Endpoint]]:
+    """Endpoint 0 is dead, endpoint 1 a fake vLLM server."""
+    app = FakeVLLM(FakeConfig(name="live", engine_id="engine-1", token_delay_s=0.0))
+    with ExitStack() as stack:
+        url = stack.enter_context(serve_in_thread(app))
+        yield [Endpoint(0, "C0", "C", dead_url()), Endpoint(1, "C1", "C", url)]
+
+
+def serve(endpoints: list[Endpoint], policy: Any, **options: Any) -> Any:
+    router = make_router(
+        endpoints, policy, ZeroCosts(),
+        client=make_client(request_timeout_s=10, connect_timeout_s=2, max_connections=8),
+        model="fake-model",
+    )  # fmt: skip
+    return serve_in_thread(build_proxy_app(router, block_tokens=16, **options))
+
+
+BODY = {"model": "fake-model", "prompt": list(range(40)), "max_tokens": 2, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{not json", "request body is not valid JSON"),
+        (b"", "request body is not valid JSON"),
+        (b"[1, 2, 3]", "request body must be a JSON object"),
+        (b"{}", "'prompt' is required"),
+        (b'{"prompt": 5}', "'prompt' must be a string or a list of token ids"),
+        (b'{"prompt": [1, "a"]}', "'prompt' must be a string or a list of token ids"),
+        (b'{"prompt": [1], "max_tokens": "abc"}', "'max_tokens' must be an integer ≥ 1"),
+        (b'{"prompt": [1], "max_tokens": NaN}', "'max_tokens' must be an integer ≥ 1"),
+        (b'{"prompt": [1], "user": [1]}', "'user' must be a string"),
+    ],
+)
+def test_malformed_requests_get_400_with_a_message(
+    upstreams: list[Endpoint], raw: bytes, message: str
+) -> None:
+    with serve(upstreams, Scripted(Decision(instance=1, route="X"))) as url, httpx.Client() as c:
+        resp = c.post(url + "/v1/completions", content=raw,
+                      headers={"content-type": "application/json"})  # fmt: skip
+        assert resp.status_code == 400, resp.text
+        assert message in resp.json()["error"]
+        assert c.get(url + "/health").status_code == 200  # still serving
+
+
+def test_an_oversized_body_gets_413_before_it_is_parsed(upstreams: list[Endpoint]) -> None:
+    big = b'{"prompt": [' + b"1, " * (7 * 2**20) + b'1], "max_tokens": 1}'  # ~21 MB
+    assert len(big) > 16 * 2**20
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the cap is counted while reading
+        for i in range(0, len(big), 2**20):
+            yield big[i : i + 2**20]
+
+    policy = Scripted(Decision(instance=1, route="X"))
+    with serve(upstreams, policy) as url, httpx.Client(timeout=60) as c:
+        declared = c.post(url + "/v1/completions", content=big)
+        assert declared.status_code == 413
+        streamed = c.post(url + "/v1/completions", content=chunks())
+        assert streamed.status_code == 413
+        assert "over 16,777,216 bytes" in streamed.json()["error"]
+    assert policy.views == []  # neither was routed
+
+
+def test_a_dead_upstream_is_routed_around_and_counted(upstreams: list[Endpoint]) -> None:
+    policy = Scripted(Decision(instance=0, route="PICK"))  # always the dead one
+    with serve(upstreams, policy) as url, httpx.Client(timeout=30) as c:
+        statuses = []
+        for _ in range(6):
+            resp = c.post(url + "/v1/completions", json=BODY)
+            statuses.append((resp.status_code, resp.headers.get("x-btb-instance")))
+        health = c.get(url + "/router/state").json()["health"]
+    assert statuses == [(200, "C1")] * 6
+    assert health["instances"][0] == {"name": "C0", "healthy": False, "failures": 1}
+    assert health["instances"][1]["failures"] == 0
+    assert health["failovers"] == 6
+
+
+def test_session_affinity_to_a_dead_upstream_is_broken(upstreams: list[Endpoint]) -> None:
+    policy = build_policy("session_affinity", {})
+    with serve(upstreams, policy) as url, httpx.Client(timeout=30) as c:
+        codes = [
+            c.post(url + "/v1/completions", json={**BODY, "user": "session-1"}).status_code
+            for _ in range(4)
+        ]
+    assert codes == [200] * 4
+
+
+def test_a_dead_upstream_is_tried_again_after_a_while(upstreams: list[Endpoint]) -> None:
+    now = [0.0]
+    policy = Scripted(Decision(instance=0, route="PICK"))
+    with (
+        serve(upstreams, policy, retry_after_s=5.0, clock=lambda: now[0]) as url,
+        httpx.Client(timeout=30) as c,
+    ):
+        c.post(url + "/v1/completions", json=BODY)
+        c.post(url + "/v1/completions", json=BODY)  # within 5 s: not tried
+        now[0] = 6.0
+        c.post(url + "/v1/completions", json=BODY)  # tried again, refused again
+        health = c.get(url + "/router/state").json()["health"]
+    assert health["instances"][0]["failures"] == 2
+
+
+def test_no_healthy_upstream_is_a_502_with_the_reason() -> None:
+    endpoints = [Endpoint(0, "C0", "C", dead_url()), Endpoint(1, "C1", "C", dead_url())]
+    with serve(endpoints, Scripted(Decision(instance=0, route="X"))) as url, httpx.Client() as c:
+        resp = c.post(url + "/v1/completions", json=BODY)
+    assert resp.status_code == 502
+    assert resp.json()["error"] == "no healthy upstream"
+    assert [i["failures"] for i in resp.json()["health"]["instances"]] == [1, 1]
