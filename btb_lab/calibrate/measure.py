@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from btb_lab.calibrate.fit import DecodePoint, PrefillPoint
-from btb_lab.cluster.driver import RunClock, completion_payload
+from btb_lab.cluster.driver import RunClock, completion_payload, sse_data
 
 __all__ = [
     "ProfileDesign",
@@ -92,14 +92,16 @@ async def stream_stamps(client: Any, url: str, body: dict[str, Any], clock: RunC
                 await resp.aread()
                 out.error = f"HTTP{resp.status_code}: {resp.text[:200]}"
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            async for data in sse_data(resp):
+                if data == "[DONE]":
                     continue
                 now = clock.now()
-                if json.loads(line[5:]).get("choices"):
+                if json.loads(data).get("choices"):
                     out.chunk_s.append(now)
     except httpx.HTTPError as exc:
         out.error = type(exc).__name__
+    except ValueError as exc:  # malformed JSON from the server
+        out.error = f"BadResponse: {exc}"
     return out
 
 

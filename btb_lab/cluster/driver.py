@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,6 +33,7 @@ __all__ = [
     "event_loop_name",
     "lag_percentiles_ms",
     "run_async",
+    "sse_data",
     "stream_completion",
 ]
 
@@ -205,6 +206,24 @@ class StreamResult:
     detail: str | None = None  # the server's own error message, when it sent one
 
 
+async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent event stream, `[DONE]` included.
+
+    Lines end at `\\n` only. httpx's `aiter_lines` splits like `str.splitlines`, also at
+    U+0085, U+2028 and the other Unicode separators, which JSON leaves unescaped inside a
+    string: a random-weight model's output contains them, and the chunk arrived cut in two.
+    """
+    tail = b""
+    async for part in resp.aiter_bytes():
+        lines = (tail + part).split(b"\n")
+        tail = lines.pop()
+        for raw in lines:
+            if raw.startswith(b"data:"):
+                yield raw[5:].decode("utf-8", errors="replace").strip()
+    if tail.startswith(b"data:"):
+        yield tail[5:].decode("utf-8", errors="replace").strip()
+
+
 def _error_message(data: Any) -> str | None:
     """The message of an OpenAI-style error body ({"error": {"message": …}} or
     {"message": …}), cut to a readable length."""
@@ -320,10 +339,7 @@ async def _stream_once(
                 await resp.aread()
                 _http_detail(result, resp)
                 resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(resp):
                 if data == "[DONE]":
                     continue  # read to the end so the connection returns to the pool
                 now = clock.now()
