@@ -19,8 +19,8 @@ from btb_lab.registry import Registry
 
 __all__ = [
     "POLICIES",
-    "ClusterView",
     "CacheAction",
+    "ClusterView",
     "CostModel",
     "Decision",
     "InstanceLoad",

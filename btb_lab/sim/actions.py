@@ -134,7 +134,9 @@ class CacheActions(Transfers):
         if expiry != float("inf"):
             self._push(expiry, PRI_TRANSFER, EV_CACHE, inst.index, _Expiry(key, self.hold_versions))
 
-    def _pin_fits(self, inst: InstanceState, blocks: tuple[int, ...], start: int, upto: int) -> bool:
+    def _pin_fits(
+        self, inst: InstanceState, blocks: tuple[int, ...], start: int, upto: int
+    ) -> bool:
         """Pin `blocks[start:upto]` unless pinned + reserved KV would pass the budget."""
         cache = inst.cache
         new = sum(1 for h in blocks[start:upto] if not cache.pin_count(h))
@@ -164,13 +166,17 @@ class CacheActions(Transfers):
         self._count("cache_promotes", 1)
         self._count("cache_promoted_tokens", tokens)
         self._count("cache_host_link_s", done - start)
-        self._push(done, PRI_TRANSFER, EV_CACHE, inst.index, _Promote(moving, start, tokens, request_id))
+        self._push(
+            done, PRI_TRANSFER, EV_CACHE, inst.index, _Promote(moving, start, tokens, request_id)
+        )
 
     def _on_cache(self, index: int, payload: _Expiry | _Promote) -> None:
         inst = self.insts[index]
         if isinstance(payload, _Promote):
             inst.cache.insert_arrived(payload.hashes, self.now, TIME_EPS_S)
-            self._note(inst, "promote", payload.start_s, self.now, payload.tokens, payload.request_id)
+            self._note(
+                inst, "promote", payload.start_s, self.now, payload.tokens, payload.request_id
+            )
             self._kick(inst)
             return
         hold = self.holds.get(payload.key)

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 from btb_lab.policies.base import Decision
 from btb_lab.records import Request, RequestRecord, UtilSample
+from btb_lab.sim.actions import CacheActions
 from btb_lab.sim.cache import SimInvariantError
 from btb_lab.sim.instance import PHASE_DECODE, PHASE_IDLE, utilization_samples
 from btb_lab.sim.jobs import PrefillJob, ReqJob, WarmJob, WarmLogEntry
 from btb_lab.sim.scheduler import PRI_ARRIVAL
-from btb_lab.sim.actions import CacheActions
 
 __all__ = ["Engine", "EngineResult", "SimInvariantError", "WarmLogEntry"]
 
@@ -71,7 +71,11 @@ class Engine(CacheActions):
         heap = self.heap
         pop = heapq.heappop
         handlers = (
-            self._on_transfer, self._on_park, self._on_prefill, self._on_segment, self._on_cache
+            self._on_transfer,
+            self._on_park,
+            self._on_prefill,
+            self._on_segment,
+            self._on_cache,
         )
         audit = self.audit
         events = 0
