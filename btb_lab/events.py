@@ -138,6 +138,25 @@ class EventLog:
             )
         )
 
+    def cache_action(
+        self, start_s: float, end_s: float, instance: str, kind: str, tokens: float,
+        request_id: str = "",
+    ) -> None:  # fmt: skip
+        """A policy's cache action (`kind`: evict, demote, promote) on `instance`, moving
+        or freeing `tokens` of KV from `start_s` to `end_s`."""
+        self.events.append(
+            EventRecord(
+                time_s=start_s,
+                kind="cache_action",
+                instance=instance,
+                request_id=request_id,
+                value=float(tokens),
+                end_s=end_s,
+                label=kind,
+                origin=self.origin,
+            )
+        )
+
     def kv_transfer(
         self, start_s: float, end_s: float | None, decode: str, prefill: str, tokens: float,
         *, request_id: str = "",

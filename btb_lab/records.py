@@ -116,7 +116,9 @@ class EventRecord:
     - `warm_copy`: a prefix copy to `instance` from `peer` (`label` rdma / prefill), started
       at `time_s`, resident at `end_s` (NaN when it never landed), `value` its tokens;
     - `kv_transfer`: the KV of an offloaded request (`request_id`) moving from its prefill
-      instance `peer` to its decode instance `instance`, `time_s` → `end_s`, `value` tokens.
+      instance `peer` to its decode instance `instance`, `time_s` → `end_s`, `value` tokens;
+    - `cache_action`: a policy's cache action on `instance` (`label` evict / demote /
+      promote), `time_s` → `end_s` on its host link, `value` the tokens freed or moved.
 
     `origin` says who recorded it: `engine` and `router` watch the work itself, `policy`
     its decisions, `vllm_metrics` periodic /metrics scrapes, `records` a reconstruction

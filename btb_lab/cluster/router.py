@@ -26,6 +26,7 @@ from btb_lab.cluster.connectors import (
 )
 from btb_lab.cluster.driver import ClientPool, RunClock, StreamResult, completion_payload
 from btb_lab.cluster.launcher import Endpoint
+from btb_lab.errors import UserError
 from btb_lab.events import EventLog
 from btb_lab.policies.base import CostModel, Decision, InstanceLoad, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
@@ -114,6 +115,11 @@ class RouterState:
         return self.routed[instance].match(block_hashes)
 
     def complete_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
+        return self.complete[instance].match(block_hashes)
+
+    def host_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
+        # vLLM reports no per-prefix view of its CPU offload tier: the router knows what
+        # completed there, nothing more
         return self.complete[instance].match(block_hashes)
 
     # bookkeeping ------------------------------------------------------------------------
@@ -224,6 +230,12 @@ class Router:
     async def dispatch(self, request: Request, target_s: float) -> RequestRecord:
         """Route, execute, and return the finished record (never raises for HTTP)."""
         decision = self.policy.route(request, self.state)
+        if decision.cache:  # the loader refuses such policies on a cluster; never silently
+            raise UserError(
+                f"policy {self.policy.name!r} decided cache actions "
+                f"({', '.join(sorted({a.kind for a in decision.cache}))}), which vLLM "
+                "cannot carry out per prefix (see btb_lab/policies/btb_cache.py)"
+            )
         self.stats.routes[decision.route] = self.stats.routes.get(decision.route, 0) + 1
         name = self.endpoints[decision.instance].name
         self.stats.per_instance[name] = self.stats.per_instance.get(name, 0) + 1

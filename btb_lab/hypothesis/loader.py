@@ -286,6 +286,9 @@ def _semantic_problems(
             add(policy_path, f"unknown policy {variant.router.policy!r}; choose one of: "
                 + ", ".join(POLICIES.names()))  # fmt: skip
             continue
+        refusal = POLICIES.get(variant.router.policy).cluster_refusal
+        if refusal is not None and hyp.backend == "cluster":
+            add(policy_path, f"{refusal}; run it with backend: sim")
         try:
             build_policy(variant.router.policy, variant.router.params, seed=hyp.seed)
         except ValidationError as exc:

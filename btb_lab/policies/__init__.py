@@ -2,6 +2,7 @@
 
 from btb_lab.policies import (
     btb,
+    btb_cache,
     btb_detect,
     cache_aware,
     lmetric,
@@ -14,6 +15,7 @@ from btb_lab.policies.base import POLICIES, build_policy
 __all__ = [
     "POLICIES",
     "btb",
+    "btb_cache",
     "btb_detect",
     "build_policy",
     "cache_aware",

@@ -19,6 +19,7 @@ from btb_lab.registry import Registry
 
 __all__ = [
     "POLICIES",
+    "CacheAction",
     "ClusterView",
     "CostModel",
     "Decision",
@@ -79,6 +80,11 @@ class ClusterView(Protocol):
         """Leading blocks whose KV is complete on `instance`, i.e. a valid copy source."""
         ...
 
+    def host_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
+        """Leading blocks `instance` holds in HBM or host RAM (0 where the router cannot
+        see the host tier, as on a real cluster)."""
+        ...
+
 
 @dataclass(slots=True, frozen=True)
 class WarmAction:
@@ -91,6 +97,23 @@ class WarmAction:
     mode: Literal["rdma", "prefill"] = "rdma"
 
 
+CacheActionKind = Literal["pin", "unpin", "evict", "demote", "promote"]
+
+
+@dataclass(slots=True, frozen=True)
+class CacheAction:
+    """A cache action on the leading run of `blocks` on `instance` (any prefix, not only
+    the routed request's): `pin` keeps its HBM blocks from eviction for `ttl_s` (a pin
+    already held is extended), `unpin` releases such a pin, `evict` drops its unpinned
+    blocks from HBM and host RAM, `demote` moves its unpinned HBM blocks to host RAM,
+    `promote` moves its host-RAM blocks back to HBM over the host link."""
+
+    kind: CacheActionKind
+    instance: int
+    blocks: tuple[int, ...]
+    ttl_s: float | None = None
+
+
 @dataclass(slots=True)
 class Decision:
     """Where a request runs. With `prefill_instance` set, that instance prefills and the
@@ -101,6 +124,7 @@ class Decision:
     prefill_instance: int | None = None
     prefill_cold: bool = False  # prefill ignores cached prefixes (a PS with no session cache)
     warm: tuple[WarmAction, ...] = ()
+    cache: tuple[CacheAction, ...] = ()
 
 
 class NoParams(StrictModel):
@@ -114,6 +138,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[StrictModel]] = NoParams
+    # why the cluster backend cannot carry this policy out (None: it can)
+    cluster_refusal: ClassVar[str | None] = None
 
     def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
         self.params = params

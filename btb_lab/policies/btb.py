@@ -160,6 +160,7 @@ class _Active:
     landed: set[int] = field(default_factory=set)  # targets seen holding the prefix
     replicas: int = 0  # M for this prefix (btb_adaptive grows it)
     depth: dict[int, int] = field(default_factory=dict)  # target → blocks prefilled so far
+    blocks: tuple[int, ...] = ()  # the prefix itself (btb_cache acts on it)
 
 
 @POLICIES.register("btb", aliases=("early_rdma",))
@@ -223,12 +224,13 @@ class BTB(Policy):
         active = self._active.get(key)
         if active is not None and now_s - active.last_s > self.cfg.idle_expiry_s:
             del self._active[key]
+            self.expired(active)
             active = None
         if active is None:
             x = self.burst_count_for(request, view)
             if not self._burst_fired(key, now_s, x, self.burst_window_for(request, view)):
                 return cache_aware_decision(request, view, self.cfg, self.rng)
-            active = _Active(last_s=now_s)
+            active = _Active(last_s=now_s, blocks=tuple(prefix))
             self._active[key] = active
             self.fired += 1
             self.events.append(
@@ -356,4 +358,7 @@ class BTB(Policy):
             del self._arrivals[key]
         expiry_s = now_s - self.cfg.idle_expiry_s
         for key in [k for k, a in self._active.items() if a.last_s < expiry_s]:
-            del self._active[key]
+            self.expired(self._active.pop(key))
+
+    def expired(self, active: _Active) -> None:
+        """An active prefix expired (no arrival for `idle_expiry_s`): the burst is over."""

@@ -337,6 +337,56 @@ class PrefixCache:
                 hbm.move_to_end(h)
         self.pinned_tokens -= (n0 - len(pins)) * self.block_tokens
 
+    def host_lead(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` held here in HBM or host RAM."""
+        hbm = self._hbm
+        ram = self._ram
+        n = 0
+        for h in hashes:
+            if h not in hbm and h not in ram:
+                return n
+            n += 1
+        return n
+
+    def in_ram(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks of `hashes` in host RAM (not in HBM)."""
+        ram = self._ram
+        return [h for h in hashes if h in ram] if ram else []
+
+    def drop(self, hashes: Sequence[int]) -> int:
+        """Evict `hashes` outright: their unpinned HBM blocks and their host-RAM copies
+        go (pinned blocks stay); returns the HBM blocks freed."""
+        hbm = self._hbm
+        ram = self._ram
+        pins = self._pins
+        freed = 0
+        for h in hashes:
+            if h in hbm and h not in pins:
+                del hbm[h]
+                freed += 1
+            ram.pop(h, None)
+            self._pending.pop(h, None)
+        return freed
+
+    def demote(self, hashes: Sequence[int]) -> list[int]:
+        """Move the unpinned HBM blocks of `hashes` to host RAM as its most recent blocks
+        (RAM's overflow to disk, as `fit` does); returns the blocks moved. Without a host
+        tier nothing moves."""
+        if not self.ram_cap_blocks:
+            return []
+        hbm = self._hbm
+        ram = self._ram
+        pins = self._pins
+        moved = [h for h in hashes if h in hbm and h not in pins]
+        for h in moved:
+            del hbm[h]
+            ram[h] = None
+        while len(ram) > self.ram_cap_blocks:
+            old, _ = ram.popitem(False)
+            if self.disk is not None:
+                self.disk.add(old)
+        return moved
+
     # ------------------------------------------------------------------ audit
     def check(self) -> None:
         """Raise `SimInvariantError` if an invariant of the class docstring is broken."""

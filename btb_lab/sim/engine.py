@@ -3,7 +3,8 @@ instance, KV movement between instances, and a routing policy deciding at each a
 
 This module is the event loop, the arrivals (routing) and the completion handlers. The
 engine is built in layers, each importing only those below it: `Engine` here extends
-`transfers.py` (warm copies and prefill offload), which extends `scheduler.py` (the
+`actions.py` (a policy's pin, evict, demote and promote), over `transfers.py` (warm
+copies and prefill offload), which extends `scheduler.py` (the
 engine's state, the admission rule, prefills, decode segments, KV accounting), over
 `instance.py` (per-instance runtime state, the policy's view, utilization) and the parts
 with invariants of their own: the prefix cache in `cache.py`, the decode-segment
@@ -27,11 +28,11 @@ from dataclasses import dataclass, field
 
 from btb_lab.policies.base import Decision
 from btb_lab.records import Request, RequestRecord, UtilSample
+from btb_lab.sim.actions import CacheActions
 from btb_lab.sim.cache import SimInvariantError
 from btb_lab.sim.instance import PHASE_DECODE, PHASE_IDLE, utilization_samples
 from btb_lab.sim.jobs import PrefillJob, ReqJob, WarmJob, WarmLogEntry
 from btb_lab.sim.scheduler import PRI_ARRIVAL
-from btb_lab.sim.transfers import Transfers
 
 __all__ = ["Engine", "EngineResult", "SimInvariantError", "WarmLogEntry"]
 
@@ -43,7 +44,7 @@ class EngineResult:
     end_s: float = 0.0
 
 
-class Engine(Transfers):
+class Engine(CacheActions):
     """One simulated run: build with the cost model, settings and policy (the constructor
     is `Scheduler`'s), then `run`."""
 
@@ -69,7 +70,13 @@ class Engine(Transfers):
         order = sorted(range(len(requests)), key=[r.arrival_s for r in requests].__getitem__)
         heap = self.heap
         pop = heapq.heappop
-        handlers = (self._on_transfer, self._on_park, self._on_prefill, self._on_segment)
+        handlers = (
+            self._on_transfer,
+            self._on_park,
+            self._on_prefill,
+            self._on_segment,
+            self._on_cache,
+        )
         audit = self.audit
         events = 0
         last = -math.inf
@@ -163,6 +170,9 @@ class Engine(Transfers):
         )
         for action in decision.warm:
             self._warm(req, action)
+        if decision.cache:
+            for cache_action in decision.cache:
+                self._cache_action(req, cache_action)
         dinst = insts[d]
         total = req.input_tokens + req.output_tokens
         dinst.load.outstanding_tokens += total

@@ -49,6 +49,7 @@ class InstanceState:
         "dS",
         "dW",
         "disk_tok_s",
+        "host_free_s",
         "index",
         "link_free_s",
         "load",
@@ -121,6 +122,7 @@ class InstanceState:
         # shared_prefix_attention: the pinned prompt blocks the decoding batch shares
         self.shared = SharedPrefixReads(block_tokens)
         self.link_free_s = 0.0  # when its incoming RDMA link is next free
+        self.host_free_s = 0.0  # when its HBM <-> host RAM link is next free (actions.py)
         self.routed = RoutedBlocks(max(1, spec.kv_budget_tokens // block_tokens))
         self.load = InstanceLoad(spec.index, spec.name, spec.role, 0, 0, 0)
         self.busy_since = 0.0
@@ -219,6 +221,9 @@ class EngineView:
 
     def complete_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
         return self._complete[instance].lead(block_hashes)
+
+    def host_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
+        return self._complete[instance].host_lead(block_hashes)
 
 
 def utilization_samples(

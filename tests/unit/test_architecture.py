@@ -152,6 +152,7 @@ SIM_LAYERS: list[set[str]] = [
     {"bench"},
     {"backend"},
     {"engine"},
+    {"actions"},
     {"transfers"},
     {"scheduler"},
     {"instance"},

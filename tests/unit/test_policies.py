@@ -16,7 +16,7 @@ from tests.unit.test_policies_fakes import FakeView, cluster, request
 ALL_POLICIES = [
     "round_robin", "random", "least_load", "cache_aware", "session_affinity", "btb",
     "ps_always", "ps_flexd", "ps_cost", "offload_decode", "cache_gate", "session_count",
-    "btb_adaptive", "btb_hint", "lmetric", "pd_split",
+    "btb_adaptive", "btb_hint", "lmetric", "pd_split", "btb_cache",
 ]  # fmt: skip
 
 

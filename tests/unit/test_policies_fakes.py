@@ -66,6 +66,9 @@ class FakeView:
         source = self.routed if self.complete is None else self.complete
         return self._leading(source.get(instance, set()), block_hashes)
 
+    def host_blocks(self, instance: int, block_hashes: Sequence[int]) -> int:
+        return self.complete_blocks(instance, block_hashes)
+
 
 def cluster(
     loads: Sequence[int],
