@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +15,18 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.e2e.vllm_compare import (
+    BTB,
+    HANG_GUARD_S,
+    ROOT,
+    check_errors_against_records,
+    compare_with_simulator,
+)
+
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
 HYPOTHESIS = ROOT / "hypotheses" / "cpu-smoke.yaml"
 MODEL = ROOT / ".models" / "tiny-llama"
-BTB = Path(sys.executable).parent / "btb-lab"
-HANG_GUARD_S = 900  # only stops a hung test from blocking CI; nothing asserts on time
 
 
 def vllm_pids() -> set[int]:
@@ -56,7 +60,9 @@ def btb_run(out: Path) -> subprocess.Popen[str]:
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, set[int]]]:
+def smoke_run(
+    tmp_path_factory: pytest.TempPathFactory, engine_profile: Path
+) -> Iterator[tuple[Path, str, set[int]]]:
     if not MODEL.is_dir():
         pytest.fail(f"{MODEL} is missing: run `btb-lab model make-tiny {MODEL}` first")
     before = vllm_pids()
@@ -115,6 +121,20 @@ def test_report_and_instance_logs_exist(smoke_run: tuple[Path, str, set[int]]) -
     assert (run_dir / "summary.json").is_file()
     log = (run_dir / "instances" / "C0.log").read_text()
     assert log.count("start C0") == 1  # one launch serves both variants
+
+
+def test_calibrated_simulator_is_compared_with_the_real_run(
+    smoke_run: tuple[Path, str, set[int]], engine_profile: Path
+) -> None:
+    """The smoke run against the simulator on the roofline and on the fitted profile:
+    compare.json's errors are those the two sides' records give (the errors themselves
+    are figures for the README, not assertions)."""
+    run_dir, _, _ = smoke_run
+    for name, folder in compare_with_simulator(run_dir, "cpu-smoke.yaml", engine_profile).items():
+        data = check_errors_against_records(folder)
+        sim = json.loads((Path(data["model_runs"][0]) / "manifest.json").read_text())
+        model = sim["hypothesis"]["costs"]["model"]
+        assert model == ({"profile": str(engine_profile)} if name == "profile" else "roofline")
 
 
 def test_no_vllm_process_remains(smoke_run: tuple[Path, str, set[int]]) -> None:

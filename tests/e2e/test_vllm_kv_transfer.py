@@ -35,6 +35,7 @@ from btb_lab.hypothesis.loader import load_hypothesis
 from btb_lab.policies.base import ClusterView, Decision, NoParams, Policy
 from btb_lab.records import Request, RequestRecord
 from tests.e2e.test_vllm_cluster import BTB, HANG_GUARD_S, MODEL, ROOT, vllm_pids
+from tests.e2e.vllm_compare import check_errors_against_records, compare_with_simulator
 
 pytestmark = pytest.mark.vllm
 
@@ -59,7 +60,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, engine_profile: Path) -> Iterator[Cluster]:
     if not MODEL.is_dir():
         pytest.fail(f"{MODEL} is missing: run `btb-lab model make-tiny {MODEL}` first")
     before = vllm_pids()
@@ -194,7 +195,9 @@ def extras(records: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def test_cpu_pd_moves_the_kv_of_every_offload(cluster: Cluster, tmp_path: Path) -> None:
+def test_cpu_pd_moves_the_kv_of_every_offload(
+    cluster: Cluster, tmp_path: Path, engine_profile: Path
+) -> None:
     from btb_lab.results import read_records
 
     run_dir, stdout = run_attached(cluster, tmp_path, "cpu-pd.yaml", ("C0", "C1", "PS0"))
@@ -227,9 +230,14 @@ def test_cpu_pd_moves_the_kv_of_every_offload(cluster: Cluster, tmp_path: Path) 
     assert "**KV by source**" in report
     assert "| ps_always r1 | PS0 |" in report
     assert "Verdict" in stdout
+    # the same hypothesis on the simulator (roofline, fitted profile) against this run
+    for folder in compare_with_simulator(run_dir, "cpu-pd.yaml", engine_profile).values():
+        check_errors_against_records(folder)
 
 
-def test_cpu_btb_warms_targets_over_nixl(cluster: Cluster, tmp_path: Path) -> None:
+def test_cpu_btb_warms_targets_over_nixl(
+    cluster: Cluster, tmp_path: Path, engine_profile: Path
+) -> None:
     from btb_lab.results import read_records
 
     run_dir, _ = run_attached(cluster, tmp_path, "cpu-btb.yaml", ("C0", "C1", "PS0"))
@@ -254,6 +262,8 @@ def test_cpu_btb_warms_targets_over_nixl(cluster: Cluster, tmp_path: Path) -> No
         assert len(later) >= 1, (target, records[records["variant"] == "btb"])
         assert (later["cached_tokens"] >= 1024).all(), later[["request_id", "cached_tokens"]]
     assert runs["cache_aware"]["extra"]["router"]["warms"] == []
+    for folder in compare_with_simulator(run_dir, "cpu-btb.yaml", engine_profile).values():
+        check_errors_against_records(folder)
 
 
 def test_cpu_h6_transferred_kv_serves_the_migrated_sessions_next_turn(
