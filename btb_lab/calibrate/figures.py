@@ -14,11 +14,11 @@ did not see.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from btb_lab.model.profile import (
     ProfileCostModel,
 )
 from btb_lab.policies.base import build_policy
-from btb_lab.records import RequestRecord, derive_timings
+from btb_lab.records import Request, RequestRecord, derive_timings
 from btb_lab.runner import derive_seed
 from btb_lab.sim.backend import run_replay
 from btb_lab.workload.loader import load_requests
@@ -141,7 +141,7 @@ def solve_scale(
     while not done(best[1]) and len(tried) < max_evals and hi / lo > 1 + 1e-12:
         mid = math.sqrt(lo * hi)
         v_mid = at(mid)
-        if abs(v_mid - target) < abs(best[1] - target):
+        if abs(v_mid - target) <= abs(best[1] - target):  # ties: the tighter bracket
             best = (mid, v_mid)
         if v_mid < target:
             lo = mid
@@ -181,26 +181,48 @@ def figures_profile(
     )
 
 
-def _runs(
-    hypothesis_path: Path, variant: str, repeats: Sequence[int]
-) -> tuple[Any, Any, list[tuple[int, list[Any]]]]:
-    """The variant-resolved hypothesis, its roofline cost model, and the workloads of the
-    given repeats as `btb-lab run` draws them (the same seeds)."""
-    loaded = load_hypothesis(hypothesis_path)
-    hyp = loaded.hypothesis
-    if variant not in hyp.variants:
-        raise UserError(
-            f"{hypothesis_path}: unknown variant {variant!r}; variants: {', '.join(hyp.variants)}"
+class _Baseline:
+    """The run a figure is of: a variant of a hypothesis, its roofline cost model and the
+    workloads of its repeats as `btb-lab run` draws them (the same seeds), replayable
+    under any profile."""
+
+    def __init__(self, hypothesis_path: Path, variant: str, repeats: int) -> None:
+        loaded = load_hypothesis(hypothesis_path)
+        hyp = loaded.hypothesis
+        if variant not in hyp.variants:
+            raise UserError(
+                f"{hypothesis_path}: unknown variant {variant!r}; variants: "
+                + ", ".join(hyp.variants)
+            )
+        resolved = resolve_variant(hyp, variant)
+        roofline_costs = resolved.costs.model_copy(update={"model": "roofline"})
+        self.hypothesis = hyp
+        self.variant = variant
+        self.resolved = resolved
+        self.roofline = build_cost_model(
+            resolved.model_copy(update={"costs": roofline_costs}), loaded.base_dir
         )
-    resolved = resolve_variant(hyp, variant)
-    roofline = build_cost_model(resolved.model_copy(update={"costs": resolved.costs.model_copy(
-        update={"model": "roofline"})}), loaded.base_dir)  # fmt: skip
-    workloads = [
-        (r, load_requests(resolved.workload, base_dir=loaded.base_dir,
-                          seed=derive_seed(hyp.seed, "workload", r)))
-        for r in repeats
-    ]  # fmt: skip
-    return hyp, (resolved, roofline), workloads
+        self.router = hyp.variants[variant].router
+        self.workloads: list[tuple[int, Sequence[Request]]] = [
+            (r, load_requests(resolved.workload, base_dir=loaded.base_dir,
+                              seed=derive_seed(hyp.seed, "workload", r)))
+            for r in range(repeats)
+        ]  # fmt: skip
+
+    def records(
+        self, profile: EngineProfile, runs: Sequence[tuple[int, Sequence[Request]]]
+    ) -> list[RequestRecord]:
+        """The records of `runs` (repeat, requests) under `profile`, pooled."""
+        costs = ProfileCostModel(self.roofline.instances, self.resolved.costs, profile,
+                                 path="(fitting)", sha256="")  # fmt: skip
+        records: list[RequestRecord] = []
+        router = self.router
+        for repeat, requests in runs:
+            seed = derive_seed(self.hypothesis.seed, "variant", repeat, self.variant)
+            make_policy = functools.partial(build_policy, router.policy, router.params, seed=seed)
+            run_replay(costs, self.resolved.sim, make_policy, requests, records.append,
+                       variant=self.variant, repeat=repeat)  # fmt: skip
+        return records
 
 
 def fit_to_figures(
@@ -219,36 +241,22 @@ def fit_to_figures(
     whose decode step is scaled (its MBU and the model and GPU presets)."""
     if fit_repeats < 1 or holdout_repeats < 0:
         raise UserError("fit_repeats must be ≥ 1 and holdout_repeats ≥ 0")
-    hyp, (resolved, roofline), workloads = _runs(
-        hypothesis_path, variant, range(fit_repeats + holdout_repeats)
-    )
-    base = roofline.per_instance
-    shapes = {(c.decode_step_s, c.decode_context_token_s) for c in base}
+    baseline = _Baseline(hypothesis_path, variant, fit_repeats + holdout_repeats)
+    resolved = baseline.resolved
+    shapes = {(c.decode_step_s, c.decode_context_token_s) for c in baseline.roofline.per_instance}
     if len(shapes) != 1:
         raise UserError(f"variant {variant!r} mixes instance shapes; one profile fits one")
     step_s, context_s = shapes.pop()
-    router = hyp.variants[variant].router
 
     def profile_at(scale: float) -> EngineProfile:
         return figures_profile(
             name, figures, decode_step_s=step_s, decode_context_token_s=context_s, scale=scale
         )
 
-    def tpot(scale: float, runs: Sequence[tuple[int, list[Any]]]) -> float:
-        costs = ProfileCostModel(
-            roofline.instances, resolved.costs, profile_at(scale), path="(fitting)", sha256=""
-        )
-        records: list[RequestRecord] = []
-        for repeat, requests in runs:
-            seed = derive_seed(hyp.seed, "variant", repeat, variant)
-            run_replay(
-                costs, resolved.sim,
-                lambda seed=seed: build_policy(router.policy, router.params, seed=seed),
-                requests, records.append, variant=variant, repeat=repeat,
-            )  # fmt: skip
-        return tpot_percentile(records, figures.tpot_percentile)
+    def tpot(scale: float, runs: Sequence[tuple[int, Sequence[Request]]]) -> float:
+        return tpot_percentile(baseline.records(profile_at(scale), runs), figures.tpot_percentile)
 
-    fit_runs, held_runs = workloads[:fit_repeats], workloads[fit_repeats:]
+    fit_runs, held_runs = baseline.workloads[:fit_repeats], baseline.workloads[fit_repeats:]
     scale, tpot_fit, tried = solve_scale(
         lambda s: tpot(s, fit_runs), figures.tpot_s, rel_tol=rel_tol
     )
@@ -271,18 +279,26 @@ def fit_to_figures(
         f"decode step × {scale:.4g}, bisected until the simulator's pooled {pct} of "
         f"`{variant}` in {hypothesis_path.name} over workloads 0–{fit_repeats - 1} met "
         f"the figure's {figures.tpot_s:g} s: {tpot_fit:.5f} s "
-        f"({(tpot_fit - figures.tpot_s) / figures.tpot_s:+.2%}; the closest the bisection "
-        f"reaches within {rel_tol:.0e} relative or where the percentile steps over it)."
+        f"({(tpot_fit - figures.tpot_s) / figures.tpot_s:+.2%}"
+        + (
+            f", within {rel_tol:.0e} relative)."
+            if abs(tpot_fit - figures.tpot_s) <= rel_tol * figures.tpot_s
+            else "; the pooled percentile steps over the figure there, so the bisection "
+            "stops at the scale nearest to it)."
+        )
     )
     profile.measured_on = {
         "engine": "none: published figures, fitted against the simulator",
         "method": "btb_lab.calibrate.figures.fit_to_figures (scripts/fit_seed_profile.py)",
         "hypothesis": hypothesis_path.name,
         "variant": variant,
-        "model": hyp.model.name,
+        "model": baseline.roofline.instances[0].model.name,
         "hardware": sorted({f"{g.gpus}×{g.gpu}" for g in resolved.cluster.instances}),
-        "roofline": {"decode_step_s": step_s, "decode_context_token_s": context_s,
-                     "mbu": resolved.costs.mbu},  # fmt: skip
+        "roofline": {
+            "decode_step_s": step_s,
+            "decode_context_token_s": context_s,
+            "mbu": resolved.costs.mbu,
+        },
         "decode_scale": scale,
         "fit": {
             "workloads": f"0–{fit_repeats - 1}",
@@ -301,34 +317,15 @@ def fit_to_figures(
             "residual_s": None if tpot_held is None else tpot_held - figures.tpot_s,
         }
     if figures.checks:
-        profile.measured_on["not_fitted"] = _checks(
-            profile, roofline, resolved, hyp, router, variant, figures, fit_runs
-        )
+        profile.measured_on["not_fitted"] = _checks(baseline.records(profile, fit_runs), figures)
     return FigureFit(profile, scale, tpot_fit, tpot_held, tried)
 
 
 def _checks(
-    profile: EngineProfile,
-    roofline: Any,
-    resolved: Any,
-    hyp: Any,
-    router: Any,
-    variant: str,
-    figures: PublishedFigures,
-    runs: Sequence[tuple[int, list[Any]]],
+    records: Sequence[RequestRecord], figures: PublishedFigures
 ) -> dict[str, dict[str, float]]:
     """The figures' other numbers beside the fitted simulator's (pooled over the fitted
     workloads): what the fit did not target, to show how far the rest is."""
-    costs = ProfileCostModel(roofline.instances, resolved.costs, profile, path="(fitting)",
-                             sha256="")  # fmt: skip
-    records: list[RequestRecord] = []
-    for repeat, requests in runs:
-        seed = derive_seed(hyp.seed, "variant", repeat, variant)
-        run_replay(
-            costs, resolved.sim,
-            lambda seed=seed: build_policy(router.policy, router.params, seed=seed),
-            requests, records.append, variant=variant, repeat=repeat,
-        )  # fmt: skip
     out = {}
     for name, value in figures.checks.items():
         metric = METRICS[name]

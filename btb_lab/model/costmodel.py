@@ -129,23 +129,26 @@ class RooflineCostModel:
     def not_calibrated(self) -> list[str]:
         """The costs that come from presets, each with where it comes from."""
         s = self.settings
-        return [
-            f"prefill: roofline (2 × active params / (GPU FLOP/s × costs.mfu {s.mfu:g}))",
-            f"decode step: roofline (weights + context KV read at HBM bandwidth × costs.mbu "
-            f"{s.mbu:g})",
-            *self._preset_costs(),
-        ]
+        prefill = f"prefill: roofline (2 × active params / (GPU FLOP/s × costs.mfu {s.mfu:g}))"
+        decode = (
+            "decode step: roofline (weights + context KV read at HBM bandwidth × costs.mbu "
+            f"{s.mbu:g})"
+        )
+        return [prefill, decode, *self._preset_costs()]
 
     def _preset_costs(self) -> list[str]:
-        """The costs no fitted profile replaces (KV moves, lower tiers, capacity)."""
+        """The costs no fitted profile replaces (KV moves, lower tiers, capacity); the KV
+        transfer comes first, so a profile that measured transfers can drop it."""
         s = self.settings
-        return [
-            f"KV transfer between instances: RDMA link bandwidth preset + costs.transfer_setup_ms "
-            f"{s.transfer_setup_ms:g}",
-            "KV loads from host RAM and disk: preset bandwidths",
-            f"KV capacity and memory: HBM preset less the weights, × "
-            f"costs.gpu_memory_utilization {s.gpu_memory_utilization:g}",
-        ]
+        transfer = (
+            "KV transfer between instances: RDMA link bandwidth preset + "
+            f"costs.transfer_setup_ms {s.transfer_setup_ms:g}"
+        )
+        capacity = (
+            "KV capacity and memory: HBM preset less the weights, × "
+            f"costs.gpu_memory_utilization {s.gpu_memory_utilization:g}"
+        )
+        return [transfer, "KV loads from host RAM and disk: preset bandwidths", capacity]
 
 
 def build_cost_model(hypothesis: Hypothesis, base_dir: Path | None = None) -> RooflineCostModel:
