@@ -4,6 +4,7 @@ PY     := $(VENV)/bin/python
 BTB    := $(VENV)/bin/btb-lab
 STAMP  := $(VENV)/.installed
 DEMO   ?= hypotheses/btb.yaml
+LOG_FILES ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install demo test test-vllm test-ray check fmt lint typecheck bench bench-driver log golden clean
@@ -54,8 +55,8 @@ bench-driver: $(STAMP) ## Load-driver sustained rate and send lag against a loca
 golden: $(STAMP) ## Regenerate tests/golden/headlines.json after a deliberate change of the numbers
 	BTB_UPDATE_GOLDEN=1 $(PY) -m pytest -q tests/golden
 
-log: $(STAMP) ## Run every shipped hypothesis on the simulator and regenerate hypotheses/LOG.md
-	bash scripts/make_log.sh
+log: $(STAMP) ## Run every shipped hypothesis on the simulator and regenerate hypotheses/LOG.md (LOG_FILES="hypotheses/h1.yaml …": only those entries, in place)
+	bash scripts/make_log.sh $(LOG_FILES)
 
 clean: ## Remove the environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -11,8 +11,13 @@
 # (the running hypothesis is interrupted the way Ctrl-C interrupts `btb-lab run`, its
 # records kept) and leaves LOG.md as it was; a second `make log` while one runs refuses
 # to start.
+#
+# With hypothesis files as arguments (`bash scripts/make_log.sh hypotheses/h1.yaml …`)
+# only those run: each one's entry is replaced where it stands (`log append --replace`),
+# every other entry is kept byte for byte, and only their old runs are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+only=("$@")  # empty: every shipped hypothesis
 
 BTB="${BTB:-.venv/bin/btb-lab}"
 PY="${PY:-.venv/bin/python}"
@@ -71,7 +76,9 @@ run() {  # in the background, so that a signal reaches `stop` at once, not after
     return "$rc"
 }
 
-if [[ -f "$LOG" ]]; then
+if (( ${#only[@]} > 0 )) && [[ -f "$LOG" ]]; then
+    cp "$LOG" "$new_log"  # every entry kept; the given hypotheses' replaced in place
+elif [[ -f "$LOG" ]]; then
     # everything before the first tool entry
     awk -v mark="$MARK" 'index($0, mark) == 1 { exit } { print }' "$LOG" > "$new_log"
 fi
@@ -96,9 +103,16 @@ status=0
 kept=()
 # H1, H2, …, H9, H10, … in number order (a plain glob sorts h10 before h2)
 numbered="$(printf '%s\n' hypotheses/h[0-9]*.yaml | sort -V)"
-# shellcheck disable=SC2086  # the file names have no spaces
-for file in $numbered hypotheses/btb.yaml hypotheses/btb-fidelity.yaml \
-        hypotheses/btb-seed.yaml hypotheses/btb-seed-causal.yaml; do
+replace=()
+if (( ${#only[@]} > 0 )); then
+    files=("${only[@]}")
+    replace=(--replace)
+else
+    # shellcheck disable=SC2206  # the file names have no spaces
+    files=($numbered hypotheses/btb.yaml hypotheses/btb-fidelity.yaml
+           hypotheses/btb-seed.yaml hypotheses/btb-seed-causal.yaml)
+fi
+for file in "${files[@]}"; do
     [[ -f "$file" ]] || continue
     name="$(basename "$file" .yaml)"
     run_dir="$OUT/$name/$(date -u +%Y%m%dT%H%M%SZ)-$$"
@@ -106,7 +120,7 @@ for file in $numbered hypotheses/btb.yaml hypotheses/btb-fidelity.yaml \
     rc=0
     run "$BTB" run "$file" --backend sim --out "$run_dir" --no-progress || rc=$?
     if (( rc == 0 )); then
-        run "$BTB" log append "$run_dir" --log "$new_log" || rc=$?
+        run "$BTB" log append "$run_dir" --log "$new_log" ${replace[@]+"${replace[@]}"} || rc=$?
     fi
     if (( rc > 128 )); then  # the command was stopped by a signal: so is make log
         echo "make log: $file stopped (exit $rc); $LOG left as it was" >&2
@@ -124,9 +138,17 @@ fi
 
 trap '' INT TERM  # from here on: the rename, then tidying up
 mv -f "$new_log" "$LOG"
-# Runs the new log does not link to (the old log's, earlier failed attempts) go now.
+# Runs the new log does not link to (the old log's, earlier failed attempts) go now;
+# with hypothesis files given, only those hypotheses' runs.
 for dir in "$OUT"/*/; do
     [[ -d "$dir" ]] || continue
+    if (( ${#only[@]} > 0 )); then
+        mine=0
+        for file in "${only[@]}"; do
+            [[ "$dir" == "$OUT/$(basename "$file" .yaml)/" ]] && mine=1
+        done
+        (( mine )) || continue
+    fi
     for entry in "$dir"* "$dir".[!.]*; do
         [[ -e "$entry" ]] || continue
         keep=0

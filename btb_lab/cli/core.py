@@ -284,6 +284,12 @@ def register(app: typer.Typer) -> None:
         run_dir: str = typer.Argument(..., help="Run directory or hypothesis id."),
         log: Path = typer.Option(Path("hypotheses/LOG.md"), "--log", help="Log file."),
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
+        replace: bool = typer.Option(
+            False,
+            "--replace",
+            help="Put the entry in place of the hypothesis's entry from an earlier run "
+            "(same position; any later entries of it removed) instead of appending.",
+        ),
     ) -> None:
         """Append (or update) the run's verdict entry in the log."""
         from btb_lab.crosscheck import load_crosscheck
@@ -298,7 +304,7 @@ def register(app: typer.Typer) -> None:
         else:
             path = resolve_run_dir(run_dir, results)
         try:
-            append_entry(path, log, compare_dir=compare_dir)
+            append_entry(path, log, compare_dir=compare_dir, replace=replace)
         except OSError as exc:
             raise OutputError(describe_os_error(exc, log.parent)) from None
         typer.echo(f"{log}: entry for {path}")

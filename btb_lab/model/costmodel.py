@@ -114,8 +114,41 @@ class RooflineCostModel:
         return min(self.instances[source].rdma_bw, self.instances[target].rdma_bw)
 
     def facts(self) -> dict[str, Any]:
-        """What shapes these costs, for manifests and reports."""
-        return {f"costs.{k}": v for k, v in self.settings.model_dump().items()}
+        """What shapes these costs, for manifests and reports; `costs.calibrated` and
+        `costs.not_calibrated` say which costs were fitted to something, and to what
+        (none, on the roofline)."""
+        facts: dict[str, Any] = {f"costs.{k}": v for k, v in self.settings.model_dump().items()}
+        facts["costs.calibrated"] = self.calibrated()
+        facts["costs.not_calibrated"] = self.not_calibrated()
+        return facts
+
+    def calibrated(self) -> list[str]:
+        """The costs fitted to measurements or published figures, each with its source."""
+        return []
+
+    def not_calibrated(self) -> list[str]:
+        """The costs that come from presets, each with where it comes from."""
+        s = self.settings
+        prefill = f"prefill: roofline (2 × active params / (GPU FLOP/s × costs.mfu {s.mfu:g}))"
+        decode = (
+            "decode step: roofline (weights + context KV read at HBM bandwidth × costs.mbu "
+            f"{s.mbu:g})"
+        )
+        return [prefill, decode, *self._preset_costs()]
+
+    def _preset_costs(self) -> list[str]:
+        """The costs no fitted profile replaces (KV moves, lower tiers, capacity); the KV
+        transfer comes first, so a profile that measured transfers can drop it."""
+        s = self.settings
+        transfer = (
+            "KV transfer between instances: RDMA link bandwidth preset + "
+            f"costs.transfer_setup_ms {s.transfer_setup_ms:g}"
+        )
+        capacity = (
+            "KV capacity and memory: HBM preset less the weights, × "
+            f"costs.gpu_memory_utilization {s.gpu_memory_utilization:g}"
+        )
+        return [transfer, "KV loads from host RAM and disk: preset bandwidths", capacity]
 
 
 def build_cost_model(hypothesis: Hypothesis, base_dir: Path | None = None) -> RooflineCostModel:

@@ -14,6 +14,13 @@ version, model, hardware, block size, settings). Its cost functions:
 - a KV transfer of n tokens between instances (when measured): fixed_s + per_token_s · n.
 
 The simulator advances its clock by these; cost-based policies price work with them.
+
+A profile fitted to published figures rather than to measured points (a seed's prefill
+rate and one TPOT percentile of its baseline, `btb_lab.calibrate.figures`) says so in
+`fitted_to`, the whole profile's and each part's. The cost model turns that into the
+lines a manifest, a report and a log entry carry (`costs.calibrated`,
+`costs.not_calibrated`): which costs are calibrated, and to what, and which still come
+from the presets.
 """
 
 from __future__ import annotations
@@ -42,6 +49,12 @@ __all__ = [
     "load_profile",
 ]
 
+_FITTED_TO = (
+    "What this part's coefficients were fitted to when not to the profile's measured "
+    "`points` (published figures, another simulator's constants); shown in reports and "
+    "log entries."
+)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -66,6 +79,7 @@ class PrefillFit(_Strict):
     per_cached_token_s: float = Field(
         0.0, ge=0, description="Per cached prompt token brought into use."
     )
+    fitted_to: str | None = Field(None, description=_FITTED_TO)
     quality: FitQuality | None = None
 
 
@@ -75,12 +89,14 @@ class DecodeFit(_Strict):
     per_context_token_s: float = Field(
         0.0, ge=0, description="Per context token (all sequences) read in the step."
     )
+    fitted_to: str | None = Field(None, description=_FITTED_TO)
     quality: FitQuality | None = None
 
 
 class TransferFit(_Strict):
     fixed_s: float = Field(ge=0, description="Fixed cost of one KV transfer.")
     per_token_s: float = Field(ge=0, description="Per transferred token of KV.")
+    fitted_to: str | None = Field(None, description=_FITTED_TO)
     quality: FitQuality | None = None
 
 
@@ -92,6 +108,11 @@ class EngineProfile(_Strict):
     measured_on: dict[str, Any] = Field(
         default_factory=dict,
         description="Engine and version, model, hardware, block size, engine settings, date.",
+    )
+    fitted_to: str | None = Field(
+        None,
+        description="What the profile was fitted to when not to measurements of an engine "
+        "(e.g. a seed's published figures); recorded in manifests, reports and log entries.",
     )
     prefill: PrefillFit
     decode: DecodeFit
@@ -114,7 +135,9 @@ class EngineProfile(_Strict):
         return d.fixed_s + d.per_seq_s * batch + d.per_context_token_s * context_tokens
 
     def save(self, path: Path) -> None:
-        text = yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+        text = yaml.safe_dump(
+            self.model_dump(mode="json", exclude_none=True), sort_keys=False, allow_unicode=True
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text, encoding="utf-8")
@@ -200,6 +223,24 @@ class ProfileCostModel(RooflineCostModel):
             return super().kv_move_s(tokens, source, target)
         return t.per_token_s * tokens
 
+    def calibrated(self) -> list[str]:
+        prof = self.profile
+        parts: list[tuple[str, PrefillFit | DecodeFit | TransferFit | None]] = [
+            ("prefill", prof.prefill), ("decode step", prof.decode),
+            ("KV transfer between instances", prof.transfer),
+        ]  # fmt: skip
+        return [
+            f"{label}: profile `{prof.name}`, fitted to {_source(part, prof)}"
+            for label, part in parts
+            if part is not None
+        ]
+
+    def not_calibrated(self) -> list[str]:
+        preset = self._preset_costs()
+        if self.profile.transfer is not None:  # the profile measured KV transfers
+            preset = preset[1:]
+        return preset
+
     def facts(self) -> dict[str, Any]:
         facts = super().facts()
         facts.update(
@@ -208,6 +249,8 @@ class ProfileCostModel(RooflineCostModel):
                 "costs.profile.path": self.path,
                 "costs.profile.sha256": self.sha256,
                 "costs.profile.name": self.profile.name,
+                "costs.profile.fitted_to": self.profile.fitted_to
+                or f"{len(self.profile.points)} measured points",
                 "costs.profile.prefill": self.profile.prefill.model_dump(exclude={"quality"}),
                 "costs.profile.decode": self.profile.decode.model_dump(exclude={"quality"}),
                 "costs.profile.measured_on": self.profile.measured_on,
@@ -216,3 +259,17 @@ class ProfileCostModel(RooflineCostModel):
         if self.profile.transfer is not None:
             facts["costs.profile.transfer"] = self.profile.transfer.model_dump(exclude={"quality"})
         return facts
+
+
+def _source(part: PrefillFit | DecodeFit | TransferFit, profile: EngineProfile) -> str:
+    """What one part of a profile was fitted to: its own `fitted_to`, else the measured
+    points of its kind (a profile written by `btb-lab calibrate`)."""
+    if part.fitted_to:
+        return part.fitted_to
+    kind = {PrefillFit: "prefill", DecodeFit: "decode", TransferFit: "transfer"}[type(part)]
+    n = sum(1 for p in profile.points if p.get("kind") == kind)
+    if n:
+        return f"{n} measured {kind} points"
+    if part.quality is not None:
+        return f"{part.quality.points + part.quality.holdout_points} measured {kind} points"
+    return profile.fitted_to or "unstated measurements"

@@ -136,27 +136,49 @@ def _locked(log_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def append_entry(run_dir: Path, log_path: Path, *, compare_dir: Path | None = None) -> None:
-    """Add the run's entry to the log, or replace it if this run is already there. The
-    log is replaced atomically: a reader, or a crash, sees the old log or the new one."""
+def append_entry(
+    run_dir: Path,
+    log_path: Path,
+    *,
+    compare_dir: Path | None = None,
+    replace: bool = False,
+) -> None:
+    """Add the run's entry to the log, or replace it if this run is already there. With
+    `replace`, the entry takes the place of the hypothesis's first tool entry from any
+    run (its later ones are removed), so one hypothesis is re-run without regenerating
+    the whole log or moving its entry. The log is replaced atomically: a reader, or a
+    crash, sees the old log or the new one."""
     hid, run_id, entry = render_entry(run_dir, log_path, compare_dir=compare_dir)
     if log_path.is_dir():
         raise UserError(f"--log {log_path}: is a directory, not a log file")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(log_path):
-        _append_locked(log_path, hid, run_id, entry)
+        _append_locked(log_path, hid, run_id, entry, replace=replace)
 
 
-def _append_locked(log_path: Path, hid: str, run_id: str, entry: str) -> None:
+def _entry_spans(text: str, hid: str, run_id: str | None) -> list[tuple[int, int]]:
+    """(start, end) of the tool entries of `hid` (of run `run_id`, or of any run), each
+    with the newline after its end marker."""
+    run = re.escape(run_id) if run_id is not None else r"\S+"
+    pattern = re.compile(
+        rf"^<!-- btb-lab:entry {re.escape(hid)} run=({run}) -->$.*?"
+        rf"^<!-- btb-lab:end {re.escape(hid)} run=\1 -->$\n?",
+        re.MULTILINE | re.DOTALL,
+    )
+    return [m.span() for m in pattern.finditer(text)]
+
+
+def _append_locked(
+    log_path: Path, hid: str, run_id: str, entry: str, *, replace: bool = False
+) -> None:
     text = _read_log(log_path)
-    start = _START.format(id=hid, run=run_id)
-    end = _END.format(id=hid, run=run_id)
-    i = text.find(start)
-    j = text.find(end, i) if i >= 0 else -1
-    if i >= 0 and j >= 0:
-        j += len(end)
-        if text[j : j + 1] == "\n":
-            j += 1
+    spans = _entry_spans(text, hid, run_id)
+    if not spans and replace:
+        spans = _entry_spans(text, hid, None)
+    if spans:
+        (i, j), *later = spans
+        for a, b in reversed(later):
+            text = text[:a] + text[b:]
         text = text[:i] + entry + text[j:]
     else:
         if not text.endswith("\n"):

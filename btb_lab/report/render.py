@@ -23,6 +23,7 @@ from btb_lab.results import RunEntry, write_atomic
 
 __all__ = [
     "build_report",
+    "calibration_text",
     "entry_context",
     "kv_source_rows",
     "render_template",
@@ -366,6 +367,31 @@ def _shown_fidelity(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def calibration_text(fidelity: dict[str, Any]) -> str | None:
+    """Which costs are calibrated, and to what, and which are not: the cost model's
+    `costs.calibrated` / `costs.not_calibrated` facts as one sentence (None when the run
+    recorded neither, as a real cluster's does: its numbers are measured)."""
+    calibrated = fidelity.get("costs.calibrated")
+    not_calibrated = fidelity.get("costs.not_calibrated")
+    if calibrated is None and not_calibrated is None:
+        return None
+    parts = []
+    if calibrated:
+        parts.append("calibrated: " + "; ".join(calibrated) + ".")
+    else:
+        parts.append("no cost is calibrated to measurements or published figures.")
+    if not_calibrated:
+        parts.append("Not calibrated (presets): " + "; ".join(not_calibrated) + ".")
+    parts.append(
+        "Only the figures a profile was fitted to are reproduced by construction; TTFT "
+        "under queueing, E2E, GPU balance and cache hits follow from these costs and are "
+        "not calibrated."
+        if calibrated
+        else "Every number is the roofline model's, not a calibrated one."
+    )
+    return " ".join(parts)
+
+
 def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dict[str, Any]:
     """Everything the report and log templates print, preformatted (`timeline`: the first
     repeat's events, when the caller has them already)."""
@@ -407,6 +433,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         "seed": hyp.seed,
         "variants": [_variant_text(hyp, n) for n in manifest.variants or hyp.variants],
         "fidelity": [f"{k}={v}" for k, v in fidelity.items()],
+        "calibration": calibration_text(summary.fidelity),
         "aliases": manifest.aliases,
         "per_variant_fidelity": [
             f"{name}: " + ", ".join(f"{k}={v}" for k, v in diff.items())

@@ -71,13 +71,13 @@ def repo(tmp_path: Path, logged: Path) -> Path:
     return copy
 
 
-def start(repo: Path, *, btb: str | None = None, **env: str) -> subprocess.Popen[str]:
+def start(repo: Path, *files: str, btb: str | None = None, **env: str) -> subprocess.Popen[str]:
     environment = python_env(
         BTB=btb or str(repo / "btb"), PY=sys.executable, STUB_TEMPLATE=str(env.pop("template", "")),
         STUB_MARKERS=str(repo / "markers"), **env,
     )  # fmt: skip
     return subprocess.Popen(
-        ["bash", str(repo / "scripts" / "make_log.sh")], cwd=repo, env=environment,
+        ["bash", str(repo / "scripts" / "make_log.sh"), *files], cwd=repo, env=environment,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
 
@@ -140,6 +140,28 @@ def test_a_complete_make_log_replaces_every_entry(repo: Path, template: Path) ->
     assert_consistent(repo, second)
     # the runs only the old log linked to are gone; one run per hypothesis is left
     assert [len(list((repo / "results" / "log" / n).iterdir())) for n in NAMES] == [1, 1]
+
+
+def test_a_make_log_of_some_files_replaces_only_their_entries_in_place(
+    repo: Path, template: Path
+) -> None:
+    log = repo / "hypotheses" / "LOG.md"
+    before = entries(log)
+    text = log.read_text()
+    h2_entry = text[text.index("<!-- btb-lab:entry H2") :]
+    h2_runs = sorted((repo / "results" / "log" / "h2").iterdir())
+    code, output = finish(start(repo, "hypotheses/h1.yaml", template=str(template)))
+    assert code == 0, output
+    after = entries(log)
+    assert [hid for hid, _ in after] == ["H1", "H2"]  # same order
+    assert after[0][1] != before[0][1]  # H1 from a new run
+    assert after[1] == before[1]
+    assert log.read_text().endswith(h2_entry)  # H2's entry byte for byte
+    assert HAND_WRITTEN in log.read_text()
+    # H1's old run is gone, H2's runs are untouched
+    assert len(list((repo / "results" / "log" / "h1").iterdir())) == 1
+    assert sorted((repo / "results" / "log" / "h2").iterdir()) == h2_runs
+    assert_consistent(repo, log.read_bytes())
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,10 @@ def test_h1_kv_both_runs_without_offload(tmp_path: Path) -> None:
     for v in ("plain", "kv_both"):
         assert not {"HEAVY_OFFLOAD", "PS"} & set(_routes(s, v))
     assert s.fidelity["kv_both"]["sim.connector_decode_slowdown"] == pytest.approx(0.013)
+    # costs from the profile fitted to the seed's figures, said in the manifest
+    for v in ("plain", "kv_both"):
+        assert s.fidelity[v]["costs.profile.name"] == "seed-elastic"
+        assert "TPOT90 0.0761 s" in s.fidelity[v]["costs.profile.fitted_to"]
 
 
 def test_h2_prefill_service_variants_use_the_ps(tmp_path: Path) -> None:
@@ -80,13 +84,14 @@ def test_h4_cache_gate_splits_heavy_into_offload_and_colo(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("name", ["h5.yaml", "h6.yaml"])
 def test_h5_h6_variants_both_offload(name: str, tmp_path: Path) -> None:
-    s = _run(name, tmp_path, {"h5.yaml": "REJECTED", "h6.yaml": "REJECTED"}[name])
+    # h6 on one shortened repeat: the cache-hit interval straddles the 5% bar
+    s = _run(name, tmp_path, {"h5.yaml": "REJECTED", "h6.yaml": "INCONCLUSIVE"}[name])
     for variant in s.variants:
         assert _routes(s, variant).get("HEAVY_OFFLOAD", 0) > 0
 
 
 def test_h6_setting_reaches_the_simulator(tmp_path: Path) -> None:
-    s = _run("h6.yaml", tmp_path, "REJECTED")
+    s = _run("h6.yaml", tmp_path, "INCONCLUSIVE")
     assert s.fidelity["reusable"]["sim.transferred_kv_reusable"] is True
     assert s.fidelity["not_reusable"]["sim.transferred_kv_reusable"] is False
 

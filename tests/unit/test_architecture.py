@@ -46,7 +46,11 @@ ALLOWED: dict[str, set[str]] = {
         "config", "workload", "model", "policies", "hypothesis", "backends", "results",
         "sim", "cluster", "analysis", "report",
     },
-    "calibrate": {"config", "model", "workload", "policies", "hypothesis", "cluster"},
+    # calibrate measures a real engine (cluster) or, where none can be measured, fits a
+    # profile to published figures against simulator runs (sim, with the runner's seeds)
+    "calibrate": {
+        "config", "model", "workload", "policies", "hypothesis", "cluster", "sim", "runner",
+    },
     "crosscheck": {
         "config", "workload", "model", "policies", "hypothesis", "backends", "results",
         "sim", "cluster", "analysis", "report", "runner", "calibrate",

@@ -66,3 +66,41 @@ def test_seed_verdict_line(tmp_path: Path, fake_effects) -> None:
     log = tmp_path / "LOG.md"
     append_entry(outcome.run_dir, log)
     assert "**Seed verdict**: **REJECTED** (seed log H7): all within noise" in log.read_text()
+
+
+def test_replace_puts_a_new_run_in_place_of_the_old_entry(tmp_path: Path, fake_effects) -> None:
+    """`log append --replace`: one hypothesis re-run, its entry stays where it was; the
+    other entries and hand-written text are untouched."""
+    import re
+
+    from tests.unit.test_runner_fake import FAKE, HYPOTHESIS, write_hypothesis
+
+    first = run_fake(tmp_path, out="a").run_dir
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = write_hypothesis(other_dir, HYPOTHESIS.replace("id: HT", "id: HO"))
+    from btb_lab.runner import RunOptions, run_hypothesis
+
+    second_id = run_hypothesis(
+        other, RunOptions(backend=FAKE, out=tmp_path / "o", progress=False)
+    ).run_dir
+    log = tmp_path / "LOG.md"
+    log.write_text(HAND)
+    append_entry(first, log)
+    append_entry(second_id, log)
+    before = log.read_text()
+    rerun = run_fake(tmp_path, out="b", seed=5).run_dir
+    append_entry(rerun, log, replace=True)
+    after = log.read_text()
+    assert [e.hypothesis for e in parse_log(after)] == ["H1", "HT", "HO"]
+    runs = re.findall(r"btb-lab:entry HT run=(\S+) -->", after)
+    assert len(runs) == 1
+    assert runs[0] != re.findall(r"btb-lab:entry HT run=(\S+) -->", before)[0]
+    # the HO entry and the hand text are byte for byte as they were
+    ho = before[before.index("<!-- btb-lab:entry HO") :]
+    assert after.endswith(ho)
+    assert after.startswith(HAND)
+    # without --replace the same new run is appended as a second entry
+    log.write_text(before)
+    append_entry(rerun, log)
+    assert [e.hypothesis for e in parse_log(log.read_text())] == ["H1", "HT", "HO", "HT"]
