@@ -107,6 +107,13 @@ def fidelity_facts(
                 if settings.window_replay == "fresh"
                 else "windows one after another on one cluster"
             ),
+            "engine_steps": (
+                f"mixed: waiting prefills start together, up to {settings.max_batched_tokens} "
+                "tokens a step less one per running decode (longer prefills in chunks), the "
+                "fixed prefill cost once a step; decodes advance during them"
+                if settings.step_model == "mixed"
+                else "serial: one prefill at a time, decode paused, the fixed cost per prefill"
+            ),
             "rdma_link": "transfers into one instance share its RDMA link (serialized)",
         }
     )

@@ -3,7 +3,8 @@ instance, KV movement between instances, and a routing policy deciding at each a
 
 This module is the event loop, the arrivals (routing) and the completion handlers. The
 engine is built in layers, each importing only those below it: `Engine` here extends
-`actions.py` (a policy's pin, evict, demote and promote), over `transfers.py` (warm
+`steps.py` (mixed prefill/decode steps, `step_model: mixed`), over `actions.py` (a
+policy's pin, evict, demote and promote), over `transfers.py` (warm
 copies and prefill offload), which extends `scheduler.py` (the
 engine's state, the admission rule, prefills, decode segments, KV accounting), over
 `instance.py` (per-instance runtime state, the policy's view, utilization) and the parts
@@ -28,11 +29,11 @@ from dataclasses import dataclass, field
 
 from btb_lab.policies.base import Decision
 from btb_lab.records import Request, RequestRecord, UtilSample
-from btb_lab.sim.actions import CacheActions
 from btb_lab.sim.cache import SimInvariantError
 from btb_lab.sim.instance import PHASE_DECODE, PHASE_IDLE, utilization_samples
 from btb_lab.sim.jobs import PrefillJob, ReqJob, WarmJob, WarmLogEntry
 from btb_lab.sim.scheduler import PRI_ARRIVAL
+from btb_lab.sim.steps import MixedSteps
 
 __all__ = ["Engine", "EngineResult", "SimInvariantError", "WarmLogEntry"]
 
@@ -44,7 +45,7 @@ class EngineResult:
     end_s: float = 0.0
 
 
-class Engine(CacheActions):
+class Engine(MixedSteps):
     """One simulated run: build with the cost model, settings and policy (the constructor
     is `Scheduler`'s), then `run`."""
 
@@ -76,6 +77,8 @@ class Engine(CacheActions):
             self._on_prefill,
             self._on_segment,
             self._on_cache,
+            self._on_batch,
+            self._on_wake,
         )
         audit = self.audit
         events = 0
@@ -197,29 +200,7 @@ class Engine(CacheActions):
     # ---------------------------------------------------------------- handlers
     def _on_prefill(self, index: int, job: ReqJob | PrefillJob | WarmJob) -> None:
         inst = self.insts[index]
-        hashes = job.hashes
-        if isinstance(job, WarmJob) and job.copy_s >= 0:
-            inst.cache.insert(hashes)  # a copy on the target's compute has landed
-        elif self.after_prefill and hashes:
-            if self.sharing and not isinstance(job, WarmJob):
-                # its own blocks are resident now: move them from reserved to pinned
-                pinned = inst.cache.insert_pinned(hashes, job.n_pin)
-                job.n_pin = len(hashes)
-                job.need -= pinned
-                inst.cache.reserved -= pinned
-                inst.cache.fit()
-            else:
-                inst.cache.insert(hashes)
-        if isinstance(job, ReqJob):
-            job.rec.first_token_s = self.now
-            self._begin_decode(inst, job)
-        elif isinstance(job, PrefillJob):
-            self._ship_kv(inst, job)
-        elif self.events is not None:  # a warm recompute or copy: the prefix is here now
-            self.events.warm_copy(
-                job.start_s, self.now, inst.name, job.source, job.tokens,
-                mode="rdma" if job.copy_s >= 0 else "prefill", request_id=job.request_id,
-            )  # fmt: skip
+        self._land_prefill(inst, job)
         # phase is still PREFILL (busy): _step picks the next piece of work or goes idle
         self._step(inst)
 
@@ -227,13 +208,5 @@ class Engine(CacheActions):
         inst = self.insts[index]
         if version != inst.seg_version or inst.phase != PHASE_DECODE:
             return  # superseded by a cut
-        inst.steps_done += inst.seg_steps
-        done = inst.steps_done
-        run_heap = inst.run_heap
-        while run_heap and run_heap[0][0] <= done:
-            job = heapq.heappop(run_heap)[2]
-            inst.ctx_base -= job.ctx_off
-            if job.n_shared:
-                inst.ctx_base += self._leave_shared(inst, job)
-            self._finish(inst, job)
+        self._retire(inst, inst.seg_steps)
         self._step(inst)

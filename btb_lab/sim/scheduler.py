@@ -4,8 +4,10 @@ closed-form decode segments, and finishing or failing requests.
 
 An instance runs one prefill at a time with its decode paused (prefill priority), else a
 decode segment up to the next finishing sequence, cut at a step boundary when an
-admission is waiting; else it is idle. `transfers.py` (KV moving between instances) and
-`engine.py` (the event loop, arrivals and completion handlers) build on this class.
+admission is waiting; else it is idle (`step_model: serial`; `steps.py` has the mixed
+steps that replace the prefill phase with `step_model: mixed`). `transfers.py` (KV
+moving between instances) and `engine.py` (the event loop, arrivals and completion
+handlers) build on this class.
 
 KV accounting (`kv_prefix_sharing`, on by default; off reserves `input + output` tokens
 per admitted request, engine version 1's rule). With sharing, as in vLLM's ref-counted prefix
@@ -129,6 +131,10 @@ class Scheduler:
         self.batch_admit = settings.admission == "all_that_fit"
         self.output_blocks = settings.output_blocks_cached
         self.copy_blocks = settings.warm_copy_blocks_target
+        # step_model mixed (steps.py) starts prefills in batches: _start_prefill only books
+        self.mixed = settings.step_model == "mixed"
+        self.defer_prefill = self.batch_admit or self.mixed
+        self.deferred_expects: list[tuple[Any, int]] = []  # (hashes, first pending block)
         self.next_output_block = -1  # synthetic output-block ids count down from -1
         self.setup_s = costs.transfer_setup_s
         self.dt = settings.sample_interval_s
@@ -416,8 +422,8 @@ class Scheduler:
             prefill_s = costs.prefill_s(tokens - cached, cached)
         dur = load_s + prefill_s
         done = now + dur
-        if self.batch_admit:
-            job.run_s = dur  # the prefill runs when _run_admitted gets to it
+        if self.defer_prefill:
+            job.run_s = dur  # the prefill runs when _run_admitted or its batch gets to it
         if isinstance(job, WarmJob):
             job.start_s = now
             if hashes and not self.after_prefill:
@@ -453,8 +459,11 @@ class Scheduler:
                 self._insert_output_blocks(inst, job)
         inst.reserve(job.need, now, self.dt)
         if hashes and self.after_prefill:
-            cache.expect(hashes, n_use, done)
-        if self.batch_admit:
+            if self.mixed:  # pending until the batch ends, known once it is formed
+                self.deferred_expects.append((hashes, n_use))
+            else:
+                cache.expect(hashes, n_use, done)
+        if self.defer_prefill:
             return True
         inst.phase = PHASE_PREFILL
         self._push(done, PRI_PREFILL, EV_PREFILL, inst.index, job)

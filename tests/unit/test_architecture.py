@@ -156,6 +156,7 @@ SIM_LAYERS: list[set[str]] = [
     {"bench"},
     {"backend"},
     {"engine"},
+    {"steps"},
     {"actions"},
     {"transfers"},
     {"scheduler"},
