@@ -221,12 +221,6 @@ def test_no_actor_or_vllm_process_remains(runs: dict) -> None:
         assert leftovers(before) == set(), run_dir
 
 
-@pytest.mark.xfail(
-    reason="open (issue 15): a SIGINT to a btb-lab run that is a Ray driver was seen lost "
-    "(the run finished normally); with the handlers re-installed after ray.init it passed "
-    "once here, and stays an expected failure until it has passed repeatedly",
-    strict=False,
-)
 def test_sigint_mid_run_keeps_partial_records_and_stops_every_actor(
     cluster: LocalRayCluster, tmp_path: Path
 ) -> None:
@@ -245,10 +239,6 @@ def test_sigint_mid_run_keeps_partial_records_and_stops_every_actor(
     assert leftovers(before) == set()
 
 
-@pytest.mark.skip(
-    reason="open (issue 15): not yet run to completion here; how long Ray takes to declare "
-    "a killed node dead on this machine is unmeasured, and the guard allows 15 minutes"
-)
 def test_a_lost_node_fails_its_instance_with_a_clear_error(
     cluster: LocalRayCluster, tmp_path: Path
 ) -> None:
