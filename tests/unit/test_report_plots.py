@@ -1,0 +1,98 @@
+"""Report plots: the counter outline, the zoom drawn on the whole timeline's figure, and
+byte-for-byte re-rendering of every PNG."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from btb_lab.records import EVENT_COLUMNS
+from btb_lab.report import plots
+
+
+def test_step_outline_drops_to_zero_only_across_gaps() -> None:
+    runs = pd.DataFrame({"time_s": [3.0, 0.0, 1.0], "end_s": [4.0, 1.0, 2.0],
+                         "value": [1.0, 2.0, 3.0]})  # fmt: skip
+    xs, ys = plots._step_xy(runs)
+    assert xs.tolist() == [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert ys.tolist() == [0, 0, 2, 2, 3, 3, 0, 0, 1, 1, 0]
+
+
+def _run() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Two variants on two instances, a burst of 40 requests at 10–14 s among 200 spread
+    ones; the second variant detects it and warms a copy C0 → C1, and one copy never lands."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for variant in ("base", "warm"):
+        arrivals = np.concatenate([np.sort(rng.uniform(0, 60, 200)), np.linspace(10, 14, 40)])
+        for i, t in enumerate(arrivals):
+            burst = i >= 200
+            rows.append({
+                "variant": variant, "repeat": 0, "request_id": f"{variant}{i}",
+                "instance": "C0" if burst or i % 2 else "C1", "prefill_instance": None,
+                "route": "HIT" if burst else ("COLD", "BALANCE")[i % 2],
+                "arrival_s": t, "finish_s": t + 0.5, "group_id": "job" if burst else None,
+                "ok": True, "class": "ALL", "source": "trace", "ttft_s": 0.1 + i / 1000,
+                "e2e_s": 0.5 + i / 1000,
+            })  # fmt: skip
+    events = []
+    for variant in ("base", "warm"):
+        for inst in ("C0", "C1"):
+            for kind in ("waiting", "running"):
+                for k in range(0, 60, 3):
+                    events.append((variant, 0, float(k), kind, inst, "", "", float(k % 5),
+                                   k + 2.0, "", "engine"))  # fmt: skip
+    events += [
+        ("warm", 0, 10.5, "burst_detected", "C0", "", "", 1.0, np.nan, "", "policy"),
+        ("warm", 0, 10.7, "warm_copy", "C1", "C0", "", 1.0, 11.2, "", "engine"),
+        ("warm", 0, 12.0, "warm_copy", "C1", "", "", 1.0, np.nan, "", "engine"),
+    ]
+    return pd.DataFrame(rows), pd.DataFrame(events, columns=list(EVENT_COLUMNS))
+
+
+def _png(fig: object) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=60, metadata=plots._META)  # type: ignore[attr-defined]
+    return buffer.getvalue()
+
+
+def test_zoom_on_the_reused_figure_matches_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plots, "_TICK_LIMIT", 100)  # whole run binned, the zoom per request
+    plt = plots._pyplot()
+    records, events = _run()
+    window = (9.0, 20.0)
+    reused = plots._Timeline(plt, records, events, ["base", "warm"], 0, [(0.0, 2.0)])
+    whole = _png(reused.show(None, "whole run"))
+    zoom = _png(reused.show(window, "zoom"))
+    fresh = plots._Timeline(plt, records, events, ["base", "warm"], 0, [(0.0, 2.0)])
+    assert zoom == _png(fresh.show(window, "zoom"))  # nothing of the whole view is left
+    assert zoom != whole
+    assert [len(ax.collections) for ax in reused.axes] == [len(ax.collections)
+                                                           for ax in fresh.axes]  # fmt: skip
+    note = reused.axes[3].texts  # the detecting variant's lanes carry the burst note
+    assert len(note) == 1
+    assert note[0].get_text().startswith("burst detected at 10.50 s")
+    plt.close(reused.fig)
+    plt.close(fresh.fig)
+
+
+def test_plots_rerender_byte_for_byte(tmp_path: Path) -> None:
+    records, events = _run()
+    utilization = pd.DataFrame({"variant": ["base", "base", "warm", "warm"], "repeat": 0,
+                                "instance": ["C0", "C1"] * 2, "device": "0",
+                                "utilization": [0.5, 0.3, 0.4, 0.4]})  # fmt: skip
+
+    def render(out: Path) -> dict[str, bytes]:
+        written = plots.write_plots(out, records, utilization, ["base", "warm"], ["ALL"],
+                                    events=events)  # fmt: skip
+        return {path: (tmp_path / out.name / Path(path).name).read_bytes()
+                for _, path in written}  # fmt: skip
+
+    first = render(tmp_path / "a")
+    assert set(first) == {"plots/timeline.png", "plots/timeline_zoom.png",
+                          "plots/latency_cdf.png", "plots/utilization.png"}  # fmt: skip
+    assert first == render(tmp_path / "b") == render(tmp_path / "a")
