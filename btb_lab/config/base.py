@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["StrictModel"]
+__all__ = ["ParamsModel", "StrictModel"]
 
 
 class StrictModel(BaseModel):
@@ -15,3 +15,11 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False
     )
+
+
+class ParamsModel(StrictModel):
+    """The parameters of one policy or workload generator: its validator is built when first
+    used, not at import, since there are many such models and one hypothesis uses a few
+    (building them all cost `validate` some 2.5% of its time)."""
+
+    model_config = ConfigDict(defer_build=True)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import ValidationError
 
-from btb_lab.config.base import StrictModel
+from btb_lab.config.base import ParamsModel, StrictModel
 from btb_lab.records import EventRecord, Request
 from btb_lab.registry import Registry
 
@@ -127,7 +127,7 @@ class Decision:
     cache: tuple[CacheAction, ...] = ()
 
 
-class NoParams(StrictModel):
+class NoParams(ParamsModel):
     """A policy without parameters."""
 
 

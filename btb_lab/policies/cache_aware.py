@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from btb_lab.config.base import StrictModel
+from btb_lab.config.base import ParamsModel, StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
 from btb_lab.policies.common import (
     is_imbalanced,
@@ -46,7 +46,7 @@ ROUTE_COLD = "COLD"
 ROUTE_BALANCE = "BALANCE"
 
 
-class CacheAwareParams(StrictModel):
+class CacheAwareParams(ParamsModel):
     """Parameters of the cache-aware router (SGLang's names without the dashes)."""
 
     balance_abs: float = Field(

@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from btb_lab.config.base import StrictModel
+from btb_lab.config.base import ParamsModel, StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
 from btb_lab.policies.common import cached_tokens, require_params, serving
 from btb_lab.policies.session_affinity import BROKEN, NEW, NO_SESSION, STICKY, SessionTable
@@ -33,7 +33,7 @@ __all__ = ["LMetric", "LMetricParams", "lmetric_pick", "lmetric_score"]
 ROUTE_LMETRIC = "LMETRIC"
 
 
-class LMetricParams(StrictModel):
+class LMetricParams(ParamsModel):
     """What counts as the batch, and whether sessions stick."""
 
     batch: Literal["running", "running_waiting"] = Field(

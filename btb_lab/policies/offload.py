@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from btb_lab.config.base import StrictModel
+from btb_lab.config.base import ParamsModel, StrictModel
 from btb_lab.errors import UserError
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
 from btb_lab.policies.common import (
@@ -64,7 +64,7 @@ ROUTE_HEAVY_OFFLOAD = "HEAVY_OFFLOAD"
 ROUTE_PD = "PD"
 
 
-class OffloadParams(StrictModel):
+class OffloadParams(ParamsModel):
     """Request classes and session stickiness shared by the offload family."""
 
     heavy_input_tokens: int = Field(
@@ -302,7 +302,7 @@ class CacheGate(_Offload):
         return Decision(instance=home.index, route=ROUTE_HEAVY_COLO)
 
 
-class PDSplitParams(StrictModel):
+class PDSplitParams(ParamsModel):
     """How each pool picks its instance."""
 
     prefill_pick: Literal["cache_aware", "least_load"] = Field(

@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from btb_lab.config.base import StrictModel
+from btb_lab.config.base import ParamsModel, StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
 from btb_lab.policies.common import least_outstanding, require_params, serving
 from btb_lab.records import Request
@@ -39,7 +39,7 @@ BROKEN = "BROKEN"  # affinity broke: the session's instance was overloaded
 NO_SESSION = "NO_SESSION"  # request without a session id
 
 
-class SessionAffinityParams(StrictModel):
+class SessionAffinityParams(ParamsModel):
     """Parameters of session-affinity routing."""
 
     overload_factor: float = Field(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from btb_lab.config.base import StrictModel
+from btb_lab.config.base import ParamsModel, StrictModel
 from btb_lab.config.limits import MAX_REQUESTS, MAX_TOKENS
 from btb_lab.errors import UserError
 from btb_lab.records import BURST_JOB_KINDS, Request
@@ -114,7 +114,7 @@ def _prompt_blocks(
 # ---------------------------------------------------------------- bursted
 
 
-class BurstedParams(StrictModel):
+class BurstedParams(ParamsModel):
     """Bursted-ART-shaped windows: synchronized same-prefix bursts, decoys, background."""
 
     windows: int = Field(
@@ -449,7 +449,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
 # ---------------------------------------------------------------- agentic
 
 
-class AgenticParams(StrictModel):
+class AgenticParams(ParamsModel):
     """Multi-turn agent sessions: each turn re-sends the whole context plus new tokens."""
 
     sessions: int = Field(
@@ -578,7 +578,7 @@ def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
 # ---------------------------------------------------------------- poisson / gamma
 
 
-class PoissonParams(StrictModel):
+class PoissonParams(ParamsModel):
     """Poisson arrivals over synthetic prompts that share a few popular prefixes."""
 
     requests: int = Field(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
 
-from btb_lab.config.base import StrictModel
+from btb_lab.config.base import ParamsModel
 from btb_lab.config.limits import MAX_REQUESTS, MAX_TOKENS
 from btb_lab.records import Request
 from btb_lab.workload.generators import (
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # numpy loads with the first workload drawn, not at validate 
 __all__ = ["SeedBurstyParams", "generate_seed_bursty"]
 
 
-class SeedBurstyParams(StrictModel):
+class SeedBurstyParams(ParamsModel):
     """The seed's synthetic window shape; every default is the seed's."""
 
     windows: int = Field(
