@@ -78,6 +78,13 @@ CASES = {
         "short", "short prompts: the sim bench workload (Poisson 24/s, 1–8 shared blocks + 1)",
         "short.jsonl", "mooncake", 512, 4096,
     ),
+    # A diagnostic, not a workload: seed_bursty's requests in 32,768-token blocks (3 a
+    # request instead of 257); its in-loop rate against seed_bursty's is how much of the
+    # engine's time goes to per-block work, the ceiling of a cache that works per run.
+    "seed_bursty_coarse": Case(
+        "seed_bursty_coarse", "seed_bursty in 32,768-token blocks (3 a request): the engine "
+        "without its per-block work", "seed_bursty_coarse.jsonl", "bursted-art", 32768, 65536,
+    ),
 }  # fmt: skip
 
 HYPOTHESIS = """\
@@ -120,8 +127,8 @@ def prepare(case: Case, work: Path, traces: Path) -> Path:
     """Write the case's trace file (unless present) and hypothesis; returns the hypothesis."""
     trace = work / case.trace
     if not trace.is_file():
-        if case.name == "seed_bursty":
-            _btb("trace", "generate", "seed_bursty", "--block-tokens", "256",
+        if case.name.startswith("seed_bursty"):
+            _btb("trace", "generate", "seed_bursty", "--block-tokens", str(case.block_tokens),
                  "-p", "windows=2", "-o", str(trace))  # fmt: skip
             _drop_turns(trace)
         elif case.name == "bursted_mixed":
