@@ -11,13 +11,13 @@ import pandas as pd
 import pytest
 
 from btb_lab.records import EVENT_COLUMNS
-from btb_lab.report import plots
+from btb_lab.report import plots, png, timeline_plot
 
 
 def test_step_outline_drops_to_zero_only_across_gaps() -> None:
     runs = pd.DataFrame({"time_s": [3.0, 0.0, 1.0], "end_s": [4.0, 1.0, 2.0],
                          "value": [1.0, 2.0, 3.0]})  # fmt: skip
-    xs, ys = plots._step_xy(runs)
+    xs, ys = timeline_plot._step_xy(runs)
     assert xs.tolist() == [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert ys.tolist() == [0, 0, 2, 2, 3, 3, 0, 0, 1, 1, 0]
 
@@ -56,19 +56,19 @@ def _run() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _png(fig: object) -> bytes:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=60, metadata=plots._META)  # type: ignore[attr-defined]
+    fig.savefig(buffer, format="png", dpi=60, metadata=png.META)  # type: ignore[attr-defined]
     return buffer.getvalue()
 
 
 def test_zoom_on_the_reused_figure_matches_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plots, "_TICK_LIMIT", 100)  # whole run binned, the zoom per request
-    plt = plots._pyplot()
+    monkeypatch.setattr(timeline_plot, "_TICK_LIMIT", 100)  # whole run binned, the zoom per request
+    plt = png.pyplot()
     records, events = _run()
     window = (9.0, 20.0)
-    reused = plots._Timeline(plt, records, events, ["base", "warm"], 0, [(0.0, 2.0)])
+    reused = timeline_plot._Timeline(plt, records, events, ["base", "warm"], 0, [(0.0, 2.0)])
     whole = _png(reused.show(None, "whole run"))
     zoom = _png(reused.show(window, "zoom"))
-    fresh = plots._Timeline(plt, records, events, ["base", "warm"], 0, [(0.0, 2.0)])
+    fresh = timeline_plot._Timeline(plt, records, events, ["base", "warm"], 0, [(0.0, 2.0)])
     assert zoom == _png(fresh.show(window, "zoom"))  # nothing of the whole view is left
     assert zoom != whole
     assert [len(ax.collections) for ax in reused.axes] == [len(ax.collections)
