@@ -50,6 +50,13 @@ class PrefixCache:
     fits); and after every `fit`, `len(hbm) × block_tokens <= cap_tokens - reserved`: the
     unpinned blocks fill what the running requests leave.
 
+    Where a pinned block stands in the LRU never matters: `fit` requeues it when met, and
+    when its last reference goes it becomes the most recent unpinned block. So blocks that
+    are pinned, or about to be, are not reordered (`promote`, `insert_pinned`), which
+    leaves one LRU move per block a request holds, when it lets go.
+    `tests/unit/test_sim_cache_model.py` checks this against a cache that reorders every
+    block it is told to, operation by operation.
+
     The hot loops (`locate`, `insert_pinned`, `unpin`, `fit`) run per block of every
     request; keep them tight when re-implementing this over runs of blocks.
     """
@@ -67,6 +74,7 @@ class PrefixCache:
         "pinned_tokens",
         "ram_cap_blocks",
         "reserved",
+        "stale_pending",
     )
 
     def __init__(
@@ -93,6 +101,10 @@ class PrefixCache:
         self._ram: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}
         self._pending: dict[int, float] = {}
+        # set when a block may be resident and pending at once (promoted from RAM or disk
+        # while a copy or prefill of it is on its way); until then `insert_pinned` need not
+        # clear the marks of the blocks its caller already pins
+        self.stale_pending = False
 
     # ------------------------------------------------------------------ queries
     def block_set(self) -> Container[int]:
@@ -197,12 +209,29 @@ class PrefixCache:
         neither fits nor clears pending marks."""
         hbm = self._hbm
         ram = self._ram
+        pending = self._pending
         for h in hashes[:n]:
             if h in hbm:
                 hbm.move_to_end(h)
             else:
                 hbm[h] = None
                 ram.pop(h, None)
+                if h in pending:
+                    self.stale_pending = True
+
+    def promote(self, hashes: Sequence[int], start: int, n: int) -> None:
+        """`touch(hashes, n)` for blocks about to be pinned, whose order does not matter
+        (see the class docstring): of `hashes[start:n]` (all present in some tier), those
+        in RAM or on disk become resident; none is reordered."""
+        hbm = self._hbm
+        ram = self._ram
+        pending = self._pending
+        for h in hashes[start:n]:
+            if h not in hbm:
+                hbm[h] = None
+                ram.pop(h, None)
+                if h in pending:
+                    self.stale_pending = True
 
     def insert_arrived(self, hashes: Sequence[int], now_s: float, eps_s: float) -> None:
         """A copy of `hashes` landed at `now_s`: insert the blocks still expected by then
@@ -286,38 +315,29 @@ class PrefixCache:
         return (upto - start) * self.block_tokens
 
     def insert_pinned(self, hashes: Sequence[int], start: int) -> int:
-        """`insert(hashes, fit=False)` and `pin(hashes, start, len(hashes))` in one pass
-        (this runs once per request, so the two loops are fused); returns the tokens newly
-        pinned."""
+        """`insert(hashes, fit=False)` and `pin(hashes, start, len(hashes))` in one pass,
+        where the caller already pins `hashes[:start]` (this runs once per request, so the
+        two loops are fused); returns the tokens newly pinned. Blocks pinned before are
+        not reordered (see the class docstring)."""
         hbm = self._hbm
         ram = self._ram
         pending = self._pending
         pins = self._pins
         get = pins.get
         n0 = len(pins)
-        move = hbm.move_to_end
-        if start == 0:  # the common case: pin every block (no index to compare)
-            for h in hashes:
-                if h in hbm:
-                    move(h)
-                else:
-                    hbm[h] = None
-                    if ram:
-                        ram.pop(h, None)
-                pins[h] = get(h, 0) + 1
-        else:
-            for i, h in enumerate(hashes):
-                if h in hbm:
-                    move(h)
-                else:
-                    hbm[h] = None
-                    if ram:
-                        ram.pop(h, None)
-                if i >= start:
-                    pins[h] = get(h, 0) + 1
+        for h in hashes[start:] if start else hashes:
+            refs = get(h, 0)
+            if not refs and h not in hbm:
+                hbm[h] = None
+                if ram:
+                    ram.pop(h, None)
+            pins[h] = refs + 1
         if pending:
-            for h in hashes:
+            # hashes[:start] were resident when pinned, so pending only if promoted so
+            for h in hashes if self.stale_pending or not start else hashes[start:]:
                 pending.pop(h, None)
+        else:
+            self.stale_pending = False
         bt = self.block_tokens
         self.pinned_tokens += (len(pins) - n0) * bt
         return (len(hashes) - start) * bt
@@ -388,6 +408,14 @@ class PrefixCache:
         return moved
 
     # ------------------------------------------------------------------ audit
+    def snapshot(self) -> tuple[list[int], dict[int, int], list[int], dict[int, float]]:
+        """What decides every later answer, for tests: the unpinned HBM blocks oldest
+        first, the pins, the host-RAM blocks oldest first, and the pending marks. (The
+        pinned blocks' places in the LRU are left out: they never matter.)"""
+        pins = self._pins
+        unpinned = [h for h in self._hbm if h not in pins]
+        return unpinned, dict(pins), list(self._ram), dict(self._pending)
+
     def check(self) -> None:
         """Raise `SimInvariantError` if an invariant of the class docstring is broken."""
         name = self.name

@@ -414,8 +414,13 @@ class Scheduler:
                     return False
             if n_use and self.after_prefill:
                 # touch / promote the blocks this prefill reuses (at_admission inserts
-                # the whole prompt below, which touches them too)
-                cache.touch(hashes, n_use)
+                # the whole prompt below, which touches them too); with sharing they are
+                # pinned below, where their order in the LRU no longer matters (a warm
+                # copy's prefill pins nothing)
+                if not self.sharing or isinstance(job, WarmJob):
+                    cache.touch(hashes, n_use)
+                elif n_use > n_hbm_lead:
+                    cache.promote(hashes, n_hbm_lead, n_use)
         if costs is None:
             prefill_s = (tokens - cached) * p_tok
         else:

@@ -1,0 +1,223 @@
+"""The prefix cache against a plain model of it, operation by operation.
+
+`PrefixCache` skips reordering blocks that are pinned or about to be (see its docstring).
+`Reordering` below is the cache as first written: one LRU of every resident block, every
+block it is told to touch moved to the end, pinned ones requeued when eviction meets them.
+Random interleavings of requests (locate, reuse, pin, insert, release) and of warm copies,
+drops and demotions must give the same answers and leave the same state after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import pytest
+
+from btb_lab.sim.cache import PrefixCache
+
+BT = 16
+
+
+class Reordering:
+    """The model: the same rules, no shortcuts (only what the checks below call)."""
+
+    def __init__(self, cap_blocks: int, ram_cap_blocks: int, disk: set[int] | None) -> None:
+        self.cap_tokens = cap_blocks * BT
+        self.ram_cap_blocks = ram_cap_blocks
+        self.disk = disk
+        self.reserved = 0
+        self.hbm: OrderedDict[int, None] = OrderedDict()
+        self.ram: OrderedDict[int, None] = OrderedDict()
+        self.pins: dict[int, int] = {}
+        self.pending: dict[int, float] = {}
+
+    def _where(self, h: int) -> str | None:
+        if h in self.hbm:
+            return "hbm"
+        if h in self.ram:
+            return "ram"
+        return "disk" if self.disk is not None and h in self.disk else None
+
+    def locate(self, hashes: Sequence[int], now_s: float) -> tuple[int, int, int, int, int, float]:
+        n_hbm = next((i for i, h in enumerate(hashes) if h not in self.hbm), len(hashes))
+        n, n_ram, n_disk = n_hbm, 0, 0
+        for h in hashes[n_hbm:]:
+            tier = self._where(h)
+            if tier is None:
+                break
+            n_ram += tier == "ram"
+            n_disk += tier == "disk"
+            n += 1
+        m, ready = n, now_s
+        for h in hashes[n:]:
+            if h not in self.pending:
+                break
+            m, ready = m + 1, max(ready, self.pending[h])
+        return n_hbm, n, n_ram, n_disk, m, ready
+
+    def touch(self, hashes: Sequence[int], n: int) -> None:
+        for h in hashes[:n]:
+            self.hbm[h] = None
+            self.hbm.move_to_end(h)
+            self.ram.pop(h, None)
+
+    def insert(self, hashes: Sequence[int], *, fit: bool = True) -> None:
+        self.touch(hashes, len(hashes))
+        for h in hashes:
+            self.pending.pop(h, None)
+        if fit:
+            self.fit()
+
+    def pin(self, hashes: Sequence[int], start: int, upto: int) -> int:
+        for h in hashes[start:upto]:
+            self.pins[h] = self.pins.get(h, 0) + 1
+        return max(0, upto - start) * BT
+
+    def insert_pinned(self, hashes: Sequence[int], start: int) -> int:
+        self.insert(hashes, fit=False)
+        return self.pin(hashes, start, len(hashes))
+
+    def unpin(self, hashes: Sequence[int], n: int) -> None:
+        for h in hashes[:n]:
+            self.pins[h] -= 1
+            if not self.pins[h]:
+                del self.pins[h]
+                self.hbm.move_to_end(h)
+
+    def _to_ram(self, h: int) -> None:
+        if self.ram_cap_blocks:
+            self.ram[h] = None
+            if len(self.ram) > self.ram_cap_blocks:
+                old, _ = self.ram.popitem(last=False)
+                if self.disk is not None:
+                    self.disk.add(old)
+        elif self.disk is not None:
+            self.disk.add(h)
+
+    def fit(self) -> None:
+        excess = len(self.hbm) - (self.cap_tokens - self.reserved) // BT
+        while excess > 0:
+            h, _ = self.hbm.popitem(last=False)
+            if h in self.pins:
+                self.hbm[h] = None
+            else:
+                self._to_ram(h)
+                excess -= 1
+
+    def expect(self, hashes: Sequence[int], start: int, done_s: float) -> None:
+        for h in hashes[start:]:
+            if h not in self.hbm:
+                self.pending[h] = done_s
+
+    def drop(self, hashes: Sequence[int]) -> int:
+        freed = [h for h in hashes if h in self.hbm and h not in self.pins]
+        for h in hashes:
+            self.ram.pop(h, None)
+            self.pending.pop(h, None)
+        for h in freed:
+            del self.hbm[h]
+        return len(freed)
+
+    def demote(self, hashes: Sequence[int]) -> list[int]:
+        if not self.ram_cap_blocks:
+            return []
+        moved = [h for h in hashes if h in self.hbm and h not in self.pins]
+        for h in moved:
+            del self.hbm[h]
+            self.ram[h] = None
+        while len(self.ram) > self.ram_cap_blocks:
+            old, _ = self.ram.popitem(last=False)
+            if self.disk is not None:
+                self.disk.add(old)
+        return moved
+
+    def snapshot(self) -> tuple[list[int], dict[int, int], list[int], dict[int, float]]:
+        unpinned = [h for h in self.hbm if h not in self.pins]
+        return unpinned, dict(self.pins), list(self.ram), dict(self.pending)
+
+
+def prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts over a few shared prefixes, so runs of blocks overlap as in a burst."""
+    heads = [[1000 * k + i for i in range(rng.randint(1, 6))] for k in range(1, 5)]
+    out = []
+    for j in range(n):
+        head = rng.choice(heads)
+        out.append(head[: rng.randint(1, len(head))] + [-(j * 10 + i) - 1 for i in range(rng.randint(0, 3))])
+    return out
+
+
+def fits(ref: Reordering, hashes: Sequence[int], cap: int) -> bool:
+    """Admission, as the scheduler's: the pins after this one and the reservations fit."""
+    return len(ref.pins.keys() | set(hashes)) * BT + ref.reserved <= cap * BT
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_cache_answers_and_evolves_as_the_reordering_model(seed: int) -> None:
+    rng = random.Random(seed)
+    cap, ram = rng.randint(6, 14), rng.choice([0, 0, 3, 6])
+    disk_new: set[int] | None = set() if rng.random() < 0.5 else None
+    disk_ref: set[int] | None = None if disk_new is None else set()
+    new = PrefixCache("C0", cap * BT, BT, ram_cap_blocks=ram, disk=disk_new)
+    ref = Reordering(cap, ram, disk_ref)
+    pool = prompts(rng, 30)
+    jobs: list[dict] = []  # running requests: their prompt and how many blocks they pin
+    now = 0.0
+    for _step in range(400):
+        now += rng.random()
+        op = rng.random()
+        if op < 0.35 or not jobs:  # a request starts its prefill (the scheduler's order)
+            hashes = pool[rng.randrange(len(pool))]
+            job = {"hashes": hashes, "n_pin": 0}
+            got = new.locate(hashes, now)
+            assert got == ref.locate(hashes, now)
+            n_hbm, n, *_ = got
+            n_use = n if n > n_hbm and rng.random() < 0.5 else n_hbm
+            if n_use > n_hbm:
+                new.promote(hashes, n_hbm, n_use)
+            ref.touch(hashes, n_use)
+            need = len(hashes) * BT
+            if n_use and fits(ref, hashes[:n_use], cap):
+                need -= new.pin(hashes, 0, n_use)
+                ref.pin(hashes, 0, n_use)
+                job["n_pin"] = n_use
+            elif n_use:  # not pinned after all: a plain touch
+                new.touch(hashes, n_use)
+            new.expect(hashes, n_use, now + 1.0)
+            ref.expect(hashes, n_use, now + 1.0)
+            jobs.append(job)
+        elif op < 0.55:  # a prefill completes: the prompt is resident and pinned
+            job = rng.choice(jobs)
+            if job.get("done") or not fits(ref, job["hashes"], cap):
+                continue
+            got = new.insert_pinned(job["hashes"], job["n_pin"])
+            assert got == ref.insert_pinned(job["hashes"], job["n_pin"])
+            job["n_pin"] = len(job["hashes"])
+            job["done"] = True
+            new.fit()
+            ref.fit()
+        elif op < 0.75:  # a request finishes
+            job = jobs.pop(rng.randrange(len(jobs)))
+            new.unpin(job["hashes"], job["n_pin"])
+            ref.unpin(job["hashes"], job["n_pin"])
+        elif op < 0.82:  # a warm copy lands
+            hashes = rng.choice(pool)
+            new.insert(hashes)
+            ref.insert(hashes)
+        elif op < 0.88:
+            hashes = rng.choice(pool)
+            assert new.drop(hashes) == ref.drop(hashes)
+        elif op < 0.94:
+            hashes = rng.choice(pool)
+            assert new.demote(hashes) == ref.demote(hashes)
+        else:  # the running requests' reservations change
+            free = cap - len(ref.pins)
+            new.reserved = ref.reserved = rng.randint(0, max(0, min(cap // 3, free))) * BT
+            new.fit()
+            ref.fit()
+        assert new.snapshot() == ref.snapshot(), f"seed {seed}, step {_step}"
+        assert disk_new == disk_ref
+    new.fit()
+    ref.fit()
+    assert new.snapshot() == ref.snapshot()
