@@ -254,6 +254,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _sim_cache() -> str:
+    """Which prefix cache the simulator runs on (compiled or python: the same records)."""
+    from btb_lab.sim.cache import implementation
+
+    try:
+        return implementation()[0]
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def _git_commit(folder: Path) -> dict[str, Any] | None:
     """Commit (and dirtiness) of the repository holding the hypothesis file, if any."""
     try:
@@ -342,8 +352,10 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
     first_requests = _load_requests(loaded, first_seed)
+    versions = _versions()
     if plan.backend == "sim":
         _check_sim_sampling(loaded, worlds, first_requests)
+        versions["btb_lab.sim.cache"] = _sim_cache()
     run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
     run_id = run_dir.name if options.out is None else new_run_id()
     manifest = Manifest(
@@ -360,7 +372,7 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         master_seed=plan.seed,
         requests_per_run=len(first_requests),
         runs_planned=len(plan.variants) * plan.repeats,
-        versions=_versions(),
+        versions=versions,
         git=_git_commit(loaded.base_dir),
         host={"hostname": socket.gethostname(), "platform": platform.platform()},
         started=_now(),

@@ -5,14 +5,23 @@ router's own record of what it routed to an instance (`RoutedBlocks`).
 Blocks are named by their hash. The engine decides when to reserve, pin and insert; this
 module keeps the containers and their invariants, so it can be rebuilt over runs of blocks
 without touching the engine.
+
+The classes here are the reference implementation. `_cachec.c` implements the same two
+classes in C, one table entry per block instead of four dicts; the engine uses it when it
+is built (`implementation()`; `BTB_LAB_SIM_CACHE=python` forces the classes below).
+Both give byte-identical records (tests/unit/test_sim_cache_impl.py).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Container, Sequence
+from typing import Any
 
-__all__ = ["PrefixCache", "RoutedBlocks", "SimInvariantError"]
+__all__ = ["IMPL_ENV", "PrefixCache", "RoutedBlocks", "SimInvariantError", "implementation"]
+
+IMPL_ENV = "BTB_LAB_SIM_CACHE"
 
 
 class SimInvariantError(AssertionError):
@@ -107,15 +116,6 @@ class PrefixCache:
         self.stale_pending = False
 
     # ------------------------------------------------------------------ queries
-    def block_set(self) -> Container[int]:
-        """The HBM blocks, for membership tests only: lets a caller scan leading runs in
-        its own loop where a call per scan costs too much (the router view's match)."""
-        return self._hbm
-
-    def ram_set(self) -> Container[int]:
-        """The host-RAM blocks, for membership tests only (router_match_tiers hbm_ram)."""
-        return self._ram
-
     def n_hbm(self) -> int:
         """Blocks resident in HBM, pinned or not."""
         return len(self._hbm)
@@ -464,10 +464,33 @@ class RoutedBlocks:
         while len(blocks) > cap:
             blocks.popitem(False)  # the oldest
 
-    def block_set(self) -> Container[int]:
-        """The blocks believed held, for membership tests only (see PrefixCache)."""
-        return self._blocks
+    def blocks(self) -> list[int]:
+        """The blocks believed held, least recent first (for tests)."""
+        return list(self._blocks)
 
     def lead(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` believed held."""
         return _lead(self._blocks, hashes)
+
+
+def implementation() -> tuple[str, Any, Any]:
+    """The cache this process simulates with, as `(name, PrefixCache class, RoutedBlocks
+    class)`: "compiled" when `_cachec` is built, else "python"; `BTB_LAB_SIM_CACHE`
+    (python or compiled) chooses. Raises ValueError for another value, or for compiled
+    when it is not built."""
+    wanted = os.environ.get(IMPL_ENV, "")
+    if wanted not in ("", "python", "compiled"):
+        raise ValueError(f"{IMPL_ENV}={wanted!r}: expected python or compiled")
+    if wanted != "python":
+        try:
+            from btb_lab.sim import _cachec
+        except ImportError as exc:
+            if wanted == "compiled":
+                raise ValueError(
+                    f"{IMPL_ENV}=compiled, but btb_lab.sim._cachec is not built ({exc}); "
+                    "reinstall with a C compiler (make install)"
+                ) from None
+        else:
+            _cachec.init(SimInvariantError)
+            return "compiled", _cachec.PrefixCache, _cachec.RoutedBlocks
+    return "python", PrefixCache, RoutedBlocks

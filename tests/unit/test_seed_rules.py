@@ -90,7 +90,8 @@ def test_output_blocks_enter_the_cache_at_admission(rule: bool, extra: int) -> N
     """1,024 input + 600 output tokens = ceil(1624 / 512) = 4 blocks, 2 of them output."""
     r = Request("a", 0.0, 1024, 600, (1, 2), 512)
     _, engine = run([r], Scripted({}), output_blocks_cached=rule)
-    hbm = list(engine.insts[0].cache.block_set())  # type: ignore[call-overload]
+    unpinned, pinned, _, _ = engine.insts[0].cache.snapshot()
+    hbm = unpinned + list(pinned)
     assert sorted(h for h in hbm if h < 0) == ([-2, -1] if extra else [])
     assert {1, 2} <= set(hbm)
     assert len(hbm) == 2 + extra
@@ -117,9 +118,8 @@ def test_router_match_counts_host_ram(tiers: str, matched: int) -> None:
     sim = SimSettings(router_view="resident", router_match_tiers=tiers)
     engine = Engine(costs, sim, Scripted({}), block_tokens=512)
     cache = engine.insts[0].cache
-    cache.insert([7], fit=False)
-    cache._ram[8] = None  # as an eviction would leave them
-    cache._ram[9] = None
+    cache.insert([7, 8, 9], fit=False)
+    assert cache.demote([8, 9]) == [8, 9]  # in host RAM, as an eviction would leave them
     assert engine.view.match_blocks(0, [7, 8, 9, 10]) == matched
 
 

@@ -1,6 +1,7 @@
 """The prefix cache against a plain model of it, operation by operation.
 
 `PrefixCache` skips reordering blocks that are pinned or about to be (see its docstring).
+Both implementations (the Python classes and the compiled `_cachec`) are checked.
 `Reordering` below is the cache as first written: one LRU of every resident block, every
 block it is told to touch moved to the end, pinned ones requeued when eviction meets them.
 Random interleavings of requests (locate, reuse, pin, insert, release) and of warm copies,
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from btb_lab.sim import cache as cache_module
 from btb_lab.sim.cache import PrefixCache
 
 BT = 16
@@ -153,13 +155,34 @@ def fits(ref: Reordering, hashes: Sequence[int], cap: int) -> bool:
     return len(ref.pins.keys() | set(hashes)) * BT + ref.reserved <= cap * BT
 
 
+def implementations() -> list[str]:
+    names = ["python"]
+    try:
+        from btb_lab.sim import _cachec  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        names.append("compiled")
+    return names
+
+
+def cache_class(name: str, monkeypatch: pytest.MonkeyPatch) -> type[PrefixCache]:
+    monkeypatch.setenv(cache_module.IMPL_ENV, name)
+    got, cls, _ = cache_module.implementation()
+    assert got == name
+    return cls  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("impl", implementations())
 @pytest.mark.parametrize("seed", range(40))
-def test_the_cache_answers_and_evolves_as_the_reordering_model(seed: int) -> None:
+def test_the_cache_answers_and_evolves_as_the_reordering_model(
+    seed: int, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(seed)
     cap, ram = rng.randint(6, 14), rng.choice([0, 0, 3, 6])
     disk_new: set[int] | None = set() if rng.random() < 0.5 else None
     disk_ref: set[int] | None = None if disk_new is None else set()
-    new = PrefixCache("C0", cap * BT, BT, ram_cap_blocks=ram, disk=disk_new)
+    new = cache_class(impl, monkeypatch)("C0", cap * BT, BT, ram_cap_blocks=ram, disk=disk_new)
     ref = Reordering(cap, ram, disk_ref)
     pool = prompts(rng, 30)
     jobs: list[dict] = []  # running requests: their prompt and how many blocks they pin

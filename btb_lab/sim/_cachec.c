@@ -1,0 +1,1040 @@
+/* The compiled prefix cache: `PrefixCache` and `RoutedBlocks` of btb_lab/sim/cache.py, rule
+ * for rule, over one table per instance instead of four dicts.
+ *
+ * Each block an instance knows of is one entry: its key (the block id object, owned), its
+ * places in the HBM and host-RAM LRUs (doubly linked lists through the entries), its pin
+ * count and its pending mark. One hash probe per block per operation answers every question
+ * the Python class asks of its dicts one by one, and no object is allocated per block.
+ * An entry goes when it holds nothing (not resident, not pinned, not pending).
+ *
+ * The Python classes are the reference: tests/unit/test_sim_cache_model.py runs both
+ * against the same model, and tests/unit/test_sim_cache_impl.py checks that whole runs give
+ * byte-identical records with either. Keys are compared as Python objects (hash, then
+ * identity, then ==), so any block id the Python class accepts works here.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+
+#define F_HBM 1
+#define F_RAM 2
+#define F_PEND 4
+#define NONE_I (-1)
+
+static PyObject *InvariantError = NULL; /* btb_lab.sim.cache.SimInvariantError, set by init() */
+
+typedef struct {
+    PyObject *key;
+    Py_hash_t hash;
+    int32_t hprev, hnext; /* HBM LRU (the routed LRU for RoutedBlocks); free list in hnext */
+    int32_t rprev, rnext; /* host-RAM LRU */
+    int32_t pins;
+    int32_t flags;
+    double pending_s;
+} Entry;
+
+typedef struct {
+    Entry *e;
+    int32_t n_alloc, n_live, free_head;
+    int32_t *slot; /* open addressing, linear probing; NONE_I when empty */
+    size_t mask;
+} Table;
+
+typedef struct {
+    int32_t head, tail; /* oldest, newest */
+    Py_ssize_t n;
+} List;
+
+/* ------------------------------------------------------------------ table */
+static int table_init(Table *t) {
+    t->n_alloc = 64;
+    t->e = PyMem_Malloc(sizeof(Entry) * (size_t)t->n_alloc);
+    t->mask = 127;
+    t->slot = PyMem_Malloc(sizeof(int32_t) * (t->mask + 1));
+    if (!t->e || !t->slot) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t k = 0; k <= t->mask; k++) t->slot[k] = NONE_I;
+    for (int32_t i = 0; i < t->n_alloc; i++) {
+        t->e[i].key = NULL;
+        t->e[i].hnext = i + 1 < t->n_alloc ? i + 1 : NONE_I;
+    }
+    t->free_head = 0;
+    t->n_live = 0;
+    return 0;
+}
+
+static void table_free(Table *t) {
+    if (t->e) {
+        for (int32_t i = 0; i < t->n_alloc; i++) Py_XDECREF(t->e[i].key);
+        PyMem_Free(t->e);
+    }
+    PyMem_Free(t->slot);
+    t->e = NULL;
+    t->slot = NULL;
+}
+
+/* The entry of `key` (hash `hash`), or NONE_I; -2 with an exception set. */
+static inline int32_t table_find(Table *t, PyObject *key, Py_hash_t hash) {
+    size_t k = (size_t)hash & t->mask;
+    for (;;) {
+        int32_t i = t->slot[k];
+        if (i == NONE_I) return NONE_I;
+        Entry *e = &t->e[i];
+        if (e->key == key) return i;
+        if (e->hash == hash) {
+            int eq = PyObject_RichCompareBool(e->key, key, Py_EQ);
+            if (eq > 0) return i;
+            if (eq < 0) return -2;
+        }
+        k = (k + 1) & t->mask;
+    }
+}
+
+static int table_grow_slots(Table *t) {
+    size_t size = (t->mask + 1) * 2;
+    int32_t *slot = PyMem_Malloc(sizeof(int32_t) * size);
+    if (!slot) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t k = 0; k < size; k++) slot[k] = NONE_I;
+    size_t mask = size - 1;
+    for (int32_t i = 0; i < t->n_alloc; i++) {
+        if (!t->e[i].key) continue;
+        size_t k = (size_t)t->e[i].hash & mask;
+        while (slot[k] != NONE_I) k = (k + 1) & mask;
+        slot[k] = i;
+    }
+    PyMem_Free(t->slot);
+    t->slot = slot;
+    t->mask = mask;
+    return 0;
+}
+
+/* The entry of `key`, created empty if absent; -2 with an exception set. */
+static int32_t table_get(Table *t, PyObject *key, Py_hash_t hash) {
+    int32_t i = table_find(t, key, hash);
+    if (i != NONE_I) return i;
+    if ((size_t)(t->n_live + 1) * 2 > t->mask + 1 && table_grow_slots(t) < 0) return -2;
+    if (t->free_head == NONE_I) {
+        int32_t n = t->n_alloc * 2;
+        Entry *e = PyMem_Realloc(t->e, sizeof(Entry) * (size_t)n);
+        if (!e) {
+            PyErr_NoMemory();
+            return -2;
+        }
+        for (int32_t j = t->n_alloc; j < n; j++) {
+            e[j].key = NULL;
+            e[j].hnext = j + 1 < n ? j + 1 : NONE_I;
+        }
+        t->free_head = t->n_alloc;
+        t->e = e;
+        t->n_alloc = n;
+    }
+    i = t->free_head;
+    Entry *e = &t->e[i];
+    t->free_head = e->hnext;
+    Py_INCREF(key);
+    e->key = key;
+    e->hash = hash;
+    e->hprev = e->hnext = e->rprev = e->rnext = NONE_I;
+    e->pins = 0;
+    e->flags = 0;
+    e->pending_s = 0.0;
+    size_t k = (size_t)hash & t->mask;
+    while (t->slot[k] != NONE_I) k = (k + 1) & t->mask;
+    t->slot[k] = i;
+    t->n_live++;
+    return i;
+}
+
+/* Forget entry `i` if it holds nothing (backward-shift deletion keeps probing exact). */
+static void table_release(Table *t, int32_t i) {
+    Entry *e = &t->e[i];
+    if (e->flags || e->pins) return;
+    size_t mask = t->mask;
+    size_t k = (size_t)e->hash & mask;
+    while (t->slot[k] != i) k = (k + 1) & mask;
+    size_t hole = k;
+    for (;;) {
+        k = (k + 1) & mask;
+        int32_t j = t->slot[k];
+        if (j == NONE_I) break;
+        size_t home = (size_t)t->e[j].hash & mask;
+        /* move j back into the hole unless its home lies cyclically in (hole, k] */
+        int in_between = hole <= k ? (home > hole && home <= k) : (home > hole || home <= k);
+        if (!in_between) {
+            t->slot[hole] = j;
+            hole = k;
+        }
+    }
+    t->slot[hole] = NONE_I;
+    Py_CLEAR(e->key);
+    e->hnext = t->free_head;
+    t->free_head = i;
+    t->n_live--;
+}
+
+/* ------------------------------------------------------------------ LRU lists */
+#define LINK(t, i, P, N, l)                                  \
+    do {                                                     \
+        Entry *e_ = &(t)->e[i];                              \
+        e_->P = (l)->tail;                                   \
+        e_->N = NONE_I;                                      \
+        if ((l)->tail != NONE_I) (t)->e[(l)->tail].N = (i);  \
+        else (l)->head = (i);                                \
+        (l)->tail = (i);                                     \
+        (l)->n++;                                            \
+    } while (0)
+
+#define UNLINK(t, i, P, N, l)                                    \
+    do {                                                         \
+        Entry *e_ = &(t)->e[i];                                  \
+        if (e_->P != NONE_I) (t)->e[e_->P].N = e_->N;            \
+        else (l)->head = e_->N;                                  \
+        if (e_->N != NONE_I) (t)->e[e_->N].P = e_->P;            \
+        else (l)->tail = e_->P;                                  \
+        e_->P = e_->N = NONE_I;                                  \
+        (l)->n--;                                                \
+    } while (0)
+
+/* ------------------------------------------------------------------ arguments */
+typedef struct {
+    PyObject *fast; /* a list or tuple (owned) */
+    PyObject **items;
+    Py_ssize_t len;
+} Seq;
+
+static int seq_open(Seq *s, PyObject *obj) {
+    s->fast = PySequence_Fast(obj, "block hashes must be a sequence");
+    if (!s->fast) return -1;
+    s->items = PySequence_Fast_ITEMS(s->fast);
+    s->len = PySequence_Fast_GET_SIZE(s->fast);
+    return 0;
+}
+
+static inline void seq_close(Seq *s) { Py_CLEAR(s->fast); }
+
+/* Python's slice bounds for hashes[lo:hi] with lo, hi >= 0. */
+static inline Py_ssize_t clamp(Py_ssize_t v, Py_ssize_t len) { return v < 0 ? 0 : (v > len ? len : v); }
+
+static inline long long floordiv(long long a, long long b) {
+    long long q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+/* ------------------------------------------------------------------ PrefixCache */
+typedef struct {
+    PyObject_HEAD
+    Table t;
+    List hbm, ram;
+    Py_ssize_t n_pins, n_pending;
+    PyObject *name, *disk;
+    long long cap_tokens, block_tokens, ram_cap_blocks, reserved, pinned_tokens;
+    char cache_whole, stale_pending;
+} Cache;
+
+#define FIND(c, h, i, fail)                       \
+    Py_hash_t hh_ = PyObject_Hash(h);            \
+    if (hh_ == -1) goto fail;                    \
+    int32_t i = table_find(&(c)->t, (h), hh_);   \
+    if (i == -2) goto fail
+
+#define GET(c, h, i, fail)                        \
+    Py_hash_t hh_ = PyObject_Hash(h);            \
+    if (hh_ == -1) goto fail;                    \
+    int32_t i = table_get(&(c)->t, (h), hh_);    \
+    if (i < 0) goto fail
+
+static int cache_init(Cache *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"name", "cap_tokens", "block_tokens", "ram_cap_blocks", "disk",
+                             "cache_whole", NULL};
+    PyObject *name, *disk = Py_None;
+    long long cap, bt, ram_cap = 0;
+    int whole = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|$LOp", kwlist, &name, &cap, &bt, &ram_cap,
+                                     &disk, &whole))
+        return -1;
+    if (bt <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_tokens must be positive");
+        return -1;
+    }
+    if (disk != Py_None && !PySet_Check(disk)) {
+        PyErr_SetString(PyExc_TypeError, "disk must be a set or None");
+        return -1;
+    }
+    if (self->t.e == NULL && table_init(&self->t) < 0) return -1;
+    Py_INCREF(name);
+    Py_XSETREF(self->name, name);
+    Py_INCREF(disk);
+    Py_XSETREF(self->disk, disk);
+    self->cap_tokens = cap;
+    self->block_tokens = bt;
+    self->ram_cap_blocks = ram_cap;
+    self->cache_whole = (char)whole;
+    self->reserved = 0;
+    self->pinned_tokens = 0;
+    self->stale_pending = 0;
+    self->hbm.head = self->hbm.tail = self->ram.head = self->ram.tail = NONE_I;
+    self->hbm.n = self->ram.n = 0;
+    self->n_pins = self->n_pending = 0;
+    return 0;
+}
+
+static void cache_dealloc(Cache *self) {
+    table_free(&self->t);
+    Py_XDECREF(self->name);
+    Py_XDECREF(self->disk);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static inline int has_disk(Cache *c) { return c->disk != Py_None; }
+
+/* RAM's overflow goes to disk (or is dropped): as `fit` and `demote` do. */
+static int ram_overflow(Cache *c) {
+    Table *t = &c->t;
+    while (c->ram.n > c->ram_cap_blocks) {
+        int32_t old = c->ram.head;
+        UNLINK(t, old, rprev, rnext, &c->ram);
+        t->e[old].flags &= ~F_RAM;
+        if (has_disk(c) && PySet_Add(c->disk, t->e[old].key) < 0) return -1;
+        table_release(t, old);
+    }
+    return 0;
+}
+
+static void unmark(Cache *c, int32_t i) {
+    Entry *e = &c->t.e[i];
+    if (e->flags & F_PEND) {
+        e->flags &= ~F_PEND;
+        c->n_pending--;
+        table_release(&c->t, i);
+    }
+}
+
+static PyObject *cache_fit(Cache *c, PyObject *unused) {
+    long long bt = c->block_tokens;
+    long long allowed = c->cache_whole ? floordiv(c->cap_tokens, bt)
+                                       : floordiv(c->cap_tokens - c->reserved, bt);
+    if (c->hbm.n <= allowed) Py_RETURN_NONE;
+    Table *t = &c->t;
+    long long excess = c->hbm.n - allowed;
+    Py_ssize_t skipped = 0;
+    while (excess) {
+        int32_t i = c->hbm.head;
+        UNLINK(t, i, hprev, hnext, &c->hbm);
+        Entry *e = &t->e[i];
+        if (e->pins) { /* in use: it stays resident, now the most recent */
+            LINK(t, i, hprev, hnext, &c->hbm);
+            skipped++;
+            if (skipped > c->n_pins) {
+                PyErr_Format(InvariantError, "%U: pinned blocks exceed the KV budget", c->name);
+                return NULL;
+            }
+            continue;
+        }
+        excess--;
+        e->flags &= ~F_HBM;
+        if (c->ram_cap_blocks) {
+            e->flags |= F_RAM;
+            LINK(t, i, rprev, rnext, &c->ram);
+            if (c->ram.n > c->ram_cap_blocks && ram_overflow(c) < 0) return NULL;
+        } else {
+            if (has_disk(c) && PySet_Add(c->disk, e->key) < 0) return NULL;
+            table_release(t, i);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* Leading entries of `s` with any of `mask` set (`pinned`: with pins). */
+static PyObject *lead_where(Cache *c, PyObject *obj, int mask, int pinned) {
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Py_ssize_t n = 0;
+    for (; n < s.len; n++) {
+        FIND(c, s.items[n], i, fail);
+        if (i == NONE_I) break;
+        Entry *e = &c->t.e[i];
+        if (pinned ? !e->pins : !(e->flags & mask)) break;
+    }
+    seq_close(&s);
+    return PyLong_FromSsize_t(n);
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *cache_lead(Cache *c, PyObject *h) { return lead_where(c, h, F_HBM, 0); }
+static PyObject *cache_lead_pinned(Cache *c, PyObject *h) { return lead_where(c, h, 0, 1); }
+static PyObject *cache_host_lead(Cache *c, PyObject *h) { return lead_where(c, h, F_HBM | F_RAM, 0); }
+
+/* The run over pending blocks from `start`: (end, latest completion). */
+static int pending_run(Cache *c, Seq *s, Py_ssize_t start, double *ready, Py_ssize_t *end) {
+    Py_ssize_t k = start;
+    for (; k < s->len; k++) {
+        FIND(c, s->items[k], i, fail);
+        if (i == NONE_I || !(c->t.e[i].flags & F_PEND)) break;
+        if (c->t.e[i].pending_s > *ready) *ready = c->t.e[i].pending_s;
+    }
+    *end = k;
+    return 0;
+fail:
+    return -1;
+}
+
+static PyObject *cache_pending_run(Cache *c, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t start;
+    double ready;
+    if (!PyArg_ParseTuple(args, "Ond", &obj, &start, &ready)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Py_ssize_t end;
+    if (pending_run(c, &s, clamp(start, s.len), &ready, &end) < 0) {
+        seq_close(&s);
+        return NULL;
+    }
+    seq_close(&s);
+    return Py_BuildValue("nd", end < start ? start : end, ready);
+}
+
+static PyObject *cache_locate(Cache *c, PyObject *args) {
+    PyObject *obj;
+    double now;
+    if (!PyArg_ParseTuple(args, "Od", &obj, &now)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Table *t = &c->t;
+    Py_ssize_t n = 0, n_ram = 0, n_disk = 0;
+    for (; n < s.len; n++) {
+        FIND(c, s.items[n], i, fail);
+        if (i == NONE_I || !(t->e[i].flags & F_HBM)) break;
+    }
+    Py_ssize_t n_hbm = n;
+    if (n < s.len && (c->ram.n || has_disk(c))) {
+        for (; n < s.len; n++) {
+            PyObject *h = s.items[n];
+            FIND(c, h, i, fail);
+            int flags = i == NONE_I ? 0 : t->e[i].flags;
+            if (flags & F_HBM) continue;
+            if (flags & F_RAM) {
+                n_ram++;
+                continue;
+            }
+            if (has_disk(c)) {
+                int in = PySet_Contains(c->disk, h);
+                if (in < 0) goto fail;
+                if (in) {
+                    n_disk++;
+                    continue;
+                }
+            }
+            break;
+        }
+    }
+    Py_ssize_t m = n;
+    double ready = now;
+    if (c->n_pending && n < s.len && pending_run(c, &s, n, &ready, &m) < 0) goto fail;
+    seq_close(&s);
+    return Py_BuildValue("nnnnnd", n_hbm, n, n_ram, n_disk, m, ready);
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+/* hashes[lo:hi] become the most recent HBM blocks (from RAM if there); `move`: reorder the
+ * resident ones too (touch), else leave them (promote). */
+static int touch_range(Cache *c, Seq *s, Py_ssize_t lo, Py_ssize_t hi, int move) {
+    Table *t = &c->t;
+    for (Py_ssize_t k = lo; k < hi; k++) {
+        GET(c, s->items[k], i, fail);
+        Entry *e = &t->e[i];
+        if (e->flags & F_HBM) {
+            if (move) {
+                UNLINK(t, i, hprev, hnext, &c->hbm);
+                LINK(t, i, hprev, hnext, &c->hbm);
+            }
+            continue;
+        }
+        e->flags |= F_HBM;
+        LINK(t, i, hprev, hnext, &c->hbm);
+        if (e->flags & F_RAM) {
+            e->flags &= ~F_RAM;
+            UNLINK(t, i, rprev, rnext, &c->ram);
+        }
+        if (e->flags & F_PEND) c->stale_pending = 1;
+    }
+    return 0;
+fail:
+    return -1;
+}
+
+static int unmark_range(Cache *c, Seq *s, Py_ssize_t lo, Py_ssize_t hi) {
+    for (Py_ssize_t k = lo; k < hi && c->n_pending; k++) {
+        FIND(c, s->items[k], i, fail);
+        if (i != NONE_I) unmark(c, i);
+    }
+    return 0;
+fail:
+    return -1;
+}
+
+static PyObject *cache_insert(Cache *c, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"hashes", "fit", NULL};
+    PyObject *obj;
+    int fit = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$p", kwlist, &obj, &fit)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    if (touch_range(c, &s, 0, s.len, 1) < 0 || unmark_range(c, &s, 0, s.len) < 0) {
+        seq_close(&s);
+        return NULL;
+    }
+    seq_close(&s);
+    if (fit) return cache_fit(c, NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_touch(Cache *c, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On", &obj, &n)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    int rc = touch_range(c, &s, 0, clamp(n, s.len), 1);
+    seq_close(&s);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_promote(Cache *c, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t start, n;
+    if (!PyArg_ParseTuple(args, "Onn", &obj, &start, &n)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    int rc = touch_range(c, &s, clamp(start, s.len), clamp(n, s.len), 0);
+    seq_close(&s);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_insert_arrived(Cache *c, PyObject *args) {
+    PyObject *obj;
+    double now, eps;
+    if (!PyArg_ParseTuple(args, "Odd", &obj, &now, &eps)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    PyObject *due = PyList_New(0);
+    if (!due) goto fail;
+    for (Py_ssize_t k = 0; k < s.len; k++) {
+        FIND(c, s.items[k], i, fail);
+        if (i != NONE_I && (c->t.e[i].flags & F_PEND) && c->t.e[i].pending_s <= now + eps &&
+            PyList_Append(due, s.items[k]) < 0)
+            goto fail;
+    }
+    seq_close(&s);
+    Seq d;
+    if (seq_open(&d, due) < 0) {
+        Py_DECREF(due);
+        return NULL;
+    }
+    int rc = touch_range(c, &d, 0, d.len, 1) < 0 || unmark_range(c, &d, 0, d.len) < 0;
+    seq_close(&d);
+    Py_DECREF(due);
+    if (rc) return NULL;
+    return cache_fit(c, NULL);
+fail:
+    Py_XDECREF(due);
+    seq_close(&s);
+    return NULL;
+}
+
+/* Pending marks on the non-resident blocks of hashes[lo:]: `done` (later of the two with
+ * `keep_later`). */
+static PyObject *expect_common(Cache *c, PyObject *obj, Py_ssize_t lo, double done, int keep_later) {
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Table *t = &c->t;
+    for (Py_ssize_t k = clamp(lo, s.len); k < s.len; k++) {
+        PyObject *h = s.items[k];
+        Py_hash_t hash = PyObject_Hash(h);
+        if (hash == -1) goto fail;
+        int32_t i = table_find(t, h, hash);
+        if (i == -2) goto fail;
+        if (i != NONE_I && (t->e[i].flags & F_HBM)) continue;
+        if (i == NONE_I && (i = table_get(t, h, hash)) < 0) goto fail;
+        Entry *e = &t->e[i];
+        if (e->flags & F_PEND) {
+            if (!keep_later || done > e->pending_s) e->pending_s = done;
+        } else {
+            e->flags |= F_PEND;
+            c->n_pending++;
+            e->pending_s = keep_later && done < 0.0 ? 0.0 : done;
+        }
+    }
+    seq_close(&s);
+    Py_RETURN_NONE;
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *cache_expect(Cache *c, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t start;
+    double done;
+    if (!PyArg_ParseTuple(args, "Ond", &obj, &start, &done)) return NULL;
+    return expect_common(c, obj, start, done, 0);
+}
+
+static PyObject *cache_expect_copy(Cache *c, PyObject *args) {
+    PyObject *obj;
+    double done;
+    if (!PyArg_ParseTuple(args, "Od", &obj, &done)) return NULL;
+    return expect_common(c, obj, 0, done, 1);
+}
+
+static PyObject *cache_pin(Cache *c, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t start, upto;
+    if (!PyArg_ParseTuple(args, "Onn", &obj, &start, &upto)) return NULL;
+    if (upto <= start) return PyLong_FromLong(0);
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    if (start < 0 || upto > s.len) {
+        seq_close(&s);
+        PyErr_SetString(PyExc_IndexError, "pin range outside the block hashes");
+        return NULL;
+    }
+    Py_ssize_t n0 = c->n_pins;
+    for (Py_ssize_t k = start; k < upto; k++) {
+        GET(c, s.items[k], i, fail);
+        if (!c->t.e[i].pins++) c->n_pins++;
+    }
+    seq_close(&s);
+    c->pinned_tokens += (long long)(c->n_pins - n0) * c->block_tokens;
+    return PyLong_FromLongLong((long long)(upto - start) * c->block_tokens);
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *cache_insert_pinned(Cache *c, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "On", &obj, &start)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Table *t = &c->t;
+    Py_ssize_t n0 = c->n_pins, lo = clamp(start, s.len);
+    /* hashes[:start] are pinned by the caller: resident, and their order never matters */
+    for (Py_ssize_t k = lo; k < s.len; k++) {
+        GET(c, s.items[k], i, fail);
+        Entry *e = &t->e[i];
+        if (!e->pins) {
+            if (!(e->flags & F_HBM)) {
+                e->flags |= F_HBM;
+                LINK(t, i, hprev, hnext, &c->hbm);
+                if (e->flags & F_RAM) {
+                    e->flags &= ~F_RAM;
+                    UNLINK(t, i, rprev, rnext, &c->ram);
+                }
+            }
+            c->n_pins++;
+        }
+        e->pins++;
+    }
+    if (c->n_pending) {
+        if (unmark_range(c, &s, c->stale_pending || !start ? 0 : lo, s.len) < 0) goto fail;
+    } else {
+        c->stale_pending = 0;
+    }
+    seq_close(&s);
+    c->pinned_tokens += (long long)(c->n_pins - n0) * c->block_tokens;
+    return PyLong_FromLongLong((long long)(s.len - start) * c->block_tokens);
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *cache_unpin(Cache *c, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On", &obj, &n)) return NULL;
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Table *t = &c->t;
+    Py_ssize_t n0 = c->n_pins, hi = clamp(n, s.len);
+    for (Py_ssize_t k = 0; k < hi; k++) {
+        FIND(c, s.items[k], i, fail);
+        if (i == NONE_I || !t->e[i].pins || !(t->e[i].flags & F_HBM)) {
+            PyErr_SetObject(PyExc_KeyError, s.items[k]);
+            goto fail;
+        }
+        if (!--t->e[i].pins) {
+            c->n_pins--;
+            UNLINK(t, i, hprev, hnext, &c->hbm);
+            LINK(t, i, hprev, hnext, &c->hbm);
+        }
+    }
+    seq_close(&s);
+    c->pinned_tokens -= (long long)(n0 - c->n_pins) * c->block_tokens;
+    Py_RETURN_NONE;
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *cache_in_ram(Cache *c, PyObject *obj) {
+    PyObject *out = PyList_New(0);
+    if (!out || !c->ram.n) return out;
+    Seq s;
+    if (seq_open(&s, obj) < 0) goto fail;
+    for (Py_ssize_t k = 0; k < s.len; k++) {
+        FIND(c, s.items[k], i, fail);
+        if (i != NONE_I && (c->t.e[i].flags & F_RAM) && PyList_Append(out, s.items[k]) < 0)
+            goto fail;
+    }
+    seq_close(&s);
+    return out;
+fail:
+    seq_close(&s);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *cache_drop(Cache *c, PyObject *obj) {
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Table *t = &c->t;
+    Py_ssize_t freed = 0;
+    for (Py_ssize_t k = 0; k < s.len; k++) {
+        FIND(c, s.items[k], i, fail);
+        if (i == NONE_I) continue;
+        Entry *e = &t->e[i];
+        if ((e->flags & F_HBM) && !e->pins) {
+            e->flags &= ~F_HBM;
+            UNLINK(t, i, hprev, hnext, &c->hbm);
+            freed++;
+        }
+        if (e->flags & F_RAM) {
+            e->flags &= ~F_RAM;
+            UNLINK(t, i, rprev, rnext, &c->ram);
+        }
+        if (e->flags & F_PEND) {
+            e->flags &= ~F_PEND;
+            c->n_pending--;
+        }
+        table_release(t, i);
+    }
+    seq_close(&s);
+    return PyLong_FromSsize_t(freed);
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *cache_demote(Cache *c, PyObject *obj) {
+    PyObject *moved = PyList_New(0);
+    if (!moved || !c->ram_cap_blocks) return moved;
+    Seq s;
+    if (seq_open(&s, obj) < 0) goto fail;
+    Table *t = &c->t;
+    for (Py_ssize_t k = 0; k < s.len; k++) {
+        FIND(c, s.items[k], i, fail);
+        if (i == NONE_I) continue;
+        Entry *e = &t->e[i];
+        if (!(e->flags & F_HBM) || e->pins) continue;
+        if (PyList_Append(moved, s.items[k]) < 0) goto fail;
+        e->flags = (e->flags & ~F_HBM) | F_RAM;
+        UNLINK(t, i, hprev, hnext, &c->hbm);
+        LINK(t, i, rprev, rnext, &c->ram);
+    }
+    seq_close(&s);
+    if (ram_overflow(c) < 0) {
+        Py_DECREF(moved);
+        return NULL;
+    }
+    return moved;
+fail:
+    seq_close(&s);
+    Py_DECREF(moved);
+    return NULL;
+}
+
+static PyObject *cache_n_hbm(Cache *c, PyObject *u) { return PyLong_FromSsize_t(c->hbm.n); }
+static PyObject *cache_n_pinned(Cache *c, PyObject *u) { return PyLong_FromSsize_t(c->n_pins); }
+
+static PyObject *cache_pin_count(Cache *c, PyObject *h) {
+    FIND(c, h, i, fail);
+    return PyLong_FromLong(i == NONE_I ? 0 : c->t.e[i].pins);
+fail:
+    return NULL;
+}
+
+static PyObject *cache_snapshot(Cache *c, PyObject *u) {
+    Table *t = &c->t;
+    PyObject *unpinned = PyList_New(0), *pins = PyDict_New(), *ram = PyList_New(0),
+             *pending = PyDict_New();
+    if (!unpinned || !pins || !ram || !pending) goto fail;
+    for (int32_t i = c->hbm.head; i != NONE_I; i = t->e[i].hnext)
+        if (!t->e[i].pins && PyList_Append(unpinned, t->e[i].key) < 0) goto fail;
+    for (int32_t i = c->ram.head; i != NONE_I; i = t->e[i].rnext)
+        if (PyList_Append(ram, t->e[i].key) < 0) goto fail;
+    for (int32_t i = 0; i < t->n_alloc; i++) {
+        Entry *e = &t->e[i];
+        if (!e->key) continue;
+        if (e->pins) {
+            PyObject *v = PyLong_FromLong(e->pins);
+            if (!v || PyDict_SetItem(pins, e->key, v) < 0) {
+                Py_XDECREF(v);
+                goto fail;
+            }
+            Py_DECREF(v);
+        }
+        if (e->flags & F_PEND) {
+            PyObject *v = PyFloat_FromDouble(e->pending_s);
+            if (!v || PyDict_SetItem(pending, e->key, v) < 0) {
+                Py_XDECREF(v);
+                goto fail;
+            }
+            Py_DECREF(v);
+        }
+    }
+    return Py_BuildValue("NNNN", unpinned, pins, ram, pending);
+fail:
+    Py_XDECREF(unpinned);
+    Py_XDECREF(pins);
+    Py_XDECREF(ram);
+    Py_XDECREF(pending);
+    return NULL;
+}
+
+static PyObject *cache_check(Cache *c, PyObject *u) {
+    long long bt = c->block_tokens;
+    if (c->reserved > c->cap_tokens)
+        return PyErr_Format(InvariantError, "%U: reserved KV above budget", c->name);
+    long long cache_cap = c->cache_whole ? c->cap_tokens : c->cap_tokens - c->reserved;
+    if ((long long)c->hbm.n * bt > cache_cap)
+        return PyErr_Format(InvariantError, "%U: HBM cache above its budget", c->name);
+    if ((long long)c->n_pins * bt + c->reserved > c->cap_tokens)
+        return PyErr_Format(InvariantError, "%U: pinned + reserved KV above budget", c->name);
+    if (c->pinned_tokens != (long long)c->n_pins * bt)
+        return PyErr_Format(InvariantError, "%U: pinned token count %lld is off", c->name,
+                            c->pinned_tokens);
+    Table *t = &c->t;
+    for (int32_t i = 0; i < t->n_alloc; i++) {
+        Entry *e = &t->e[i];
+        if (!e->key) continue;
+        if (e->pins < 0)
+            return PyErr_Format(InvariantError, "%U: block %R pinned %d times", c->name, e->key,
+                                e->pins);
+        if (e->pins && !(e->flags & F_HBM))
+            return PyErr_Format(InvariantError, "%U: pinned block %R was evicted", c->name, e->key);
+        if ((e->flags & F_HBM) && (e->flags & F_RAM))
+            return PyErr_Format(InvariantError, "%U: a block is in HBM and host RAM at once",
+                                c->name);
+    }
+    if (c->ram.n > c->ram_cap_blocks)
+        return PyErr_Format(InvariantError, "%U: host RAM cache above its budget", c->name);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef cache_methods[] = {
+    {"n_hbm", (PyCFunction)cache_n_hbm, METH_NOARGS, NULL},
+    {"n_pinned", (PyCFunction)cache_n_pinned, METH_NOARGS, NULL},
+    {"pin_count", (PyCFunction)cache_pin_count, METH_O, NULL},
+    {"lead", (PyCFunction)cache_lead, METH_O, NULL},
+    {"lead_pinned", (PyCFunction)cache_lead_pinned, METH_O, NULL},
+    {"host_lead", (PyCFunction)cache_host_lead, METH_O, NULL},
+    {"locate", (PyCFunction)cache_locate, METH_VARARGS, NULL},
+    {"pending_run", (PyCFunction)cache_pending_run, METH_VARARGS, NULL},
+    {"insert", (PyCFunction)(void (*)(void))cache_insert, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"touch", (PyCFunction)cache_touch, METH_VARARGS, NULL},
+    {"promote", (PyCFunction)cache_promote, METH_VARARGS, NULL},
+    {"insert_arrived", (PyCFunction)cache_insert_arrived, METH_VARARGS, NULL},
+    {"expect", (PyCFunction)cache_expect, METH_VARARGS, NULL},
+    {"expect_copy", (PyCFunction)cache_expect_copy, METH_VARARGS, NULL},
+    {"fit", (PyCFunction)cache_fit, METH_NOARGS, NULL},
+    {"pin", (PyCFunction)cache_pin, METH_VARARGS, NULL},
+    {"insert_pinned", (PyCFunction)cache_insert_pinned, METH_VARARGS, NULL},
+    {"unpin", (PyCFunction)cache_unpin, METH_VARARGS, NULL},
+    {"in_ram", (PyCFunction)cache_in_ram, METH_O, NULL},
+    {"drop", (PyCFunction)cache_drop, METH_O, NULL},
+    {"demote", (PyCFunction)cache_demote, METH_O, NULL},
+    {"snapshot", (PyCFunction)cache_snapshot, METH_NOARGS, NULL},
+    {"check", (PyCFunction)cache_check, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyMemberDef cache_members[] = {
+    {"name", T_OBJECT_EX, offsetof(Cache, name), READONLY, NULL},
+    {"disk", T_OBJECT, offsetof(Cache, disk), READONLY, NULL},
+    {"cap_tokens", T_LONGLONG, offsetof(Cache, cap_tokens), READONLY, NULL},
+    {"block_tokens", T_LONGLONG, offsetof(Cache, block_tokens), READONLY, NULL},
+    {"ram_cap_blocks", T_LONGLONG, offsetof(Cache, ram_cap_blocks), READONLY, NULL},
+    {"cache_whole", T_BOOL, offsetof(Cache, cache_whole), READONLY, NULL},
+    {"reserved", T_LONGLONG, offsetof(Cache, reserved), 0, NULL},
+    {"pinned_tokens", T_LONGLONG, offsetof(Cache, pinned_tokens), READONLY, NULL},
+    {"stale_pending", T_BOOL, offsetof(Cache, stale_pending), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject CacheType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "btb_lab.sim._cachec.PrefixCache",
+    .tp_doc = PyDoc_STR("The compiled PrefixCache (see btb_lab/sim/cache.py for the rules)."),
+    .tp_basicsize = sizeof(Cache),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)cache_init,
+    .tp_dealloc = (destructor)cache_dealloc,
+    .tp_methods = cache_methods,
+    .tp_members = cache_members,
+};
+
+/* ------------------------------------------------------------------ RoutedBlocks */
+typedef struct {
+    PyObject_HEAD
+    Table t;
+    List lru;
+    long long cap_blocks;
+} Routed;
+
+static int routed_init(Routed *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"cap_blocks", NULL};
+    long long cap;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L", kwlist, &cap)) return -1;
+    if (self->t.e == NULL && table_init(&self->t) < 0) return -1;
+    self->cap_blocks = cap;
+    self->lru.head = self->lru.tail = NONE_I;
+    self->lru.n = 0;
+    return 0;
+}
+
+static void routed_dealloc(Routed *self) {
+    table_free(&self->t);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *routed_note(Routed *r, PyObject *obj) {
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Table *t = &r->t;
+    for (Py_ssize_t k = 0; k < s.len; k++) {
+        PyObject *h = s.items[k];
+        Py_hash_t hash = PyObject_Hash(h);
+        if (hash == -1) goto fail;
+        int32_t i = table_get(t, h, hash);
+        if (i < 0) goto fail;
+        if (t->e[i].flags & F_HBM) {
+            UNLINK(t, i, hprev, hnext, &r->lru);
+        } else {
+            t->e[i].flags |= F_HBM;
+        }
+        LINK(t, i, hprev, hnext, &r->lru);
+    }
+    seq_close(&s);
+    while (r->lru.n > r->cap_blocks) {
+        int32_t old = r->lru.head;
+        UNLINK(t, old, hprev, hnext, &r->lru);
+        t->e[old].flags = 0;
+        table_release(t, old);
+    }
+    Py_RETURN_NONE;
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *routed_lead(Routed *r, PyObject *obj) {
+    Seq s;
+    if (seq_open(&s, obj) < 0) return NULL;
+    Py_ssize_t n = 0;
+    for (; n < s.len; n++) {
+        Py_hash_t hash = PyObject_Hash(s.items[n]);
+        if (hash == -1) goto fail;
+        int32_t i = table_find(&r->t, s.items[n], hash);
+        if (i == -2) goto fail;
+        if (i == NONE_I) break;
+    }
+    seq_close(&s);
+    return PyLong_FromSsize_t(n);
+fail:
+    seq_close(&s);
+    return NULL;
+}
+
+static PyObject *routed_blocks(Routed *r, PyObject *u) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (int32_t i = r->lru.head; i != NONE_I; i = r->t.e[i].hnext)
+        if (PyList_Append(out, r->t.e[i].key) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    return out;
+}
+
+static PyMethodDef routed_methods[] = {
+    {"note", (PyCFunction)routed_note, METH_O, NULL},
+    {"lead", (PyCFunction)routed_lead, METH_O, NULL},
+    {"blocks", (PyCFunction)routed_blocks, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyMemberDef routed_members[] = {
+    {"cap_blocks", T_LONGLONG, offsetof(Routed, cap_blocks), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject RoutedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "btb_lab.sim._cachec.RoutedBlocks",
+    .tp_doc = PyDoc_STR("The compiled RoutedBlocks (see btb_lab/sim/cache.py)."),
+    .tp_basicsize = sizeof(Routed),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)routed_init,
+    .tp_dealloc = (destructor)routed_dealloc,
+    .tp_methods = routed_methods,
+    .tp_members = routed_members,
+};
+
+/* ------------------------------------------------------------------ module */
+static PyObject *mod_init(PyObject *m, PyObject *error) {
+    Py_INCREF(error);
+    Py_XSETREF(InvariantError, error);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"init", (PyCFunction)mod_init, METH_O, "Set the exception raised when an invariant breaks."},
+    {NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_cachec", "The compiled prefix cache (see btb_lab/sim/cache.py).",
+    -1, mod_methods,
+};
+
+PyMODINIT_FUNC PyInit__cachec(void) {
+    if (PyType_Ready(&CacheType) < 0 || PyType_Ready(&RoutedType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    InvariantError = PyExc_AssertionError;
+    Py_INCREF(InvariantError);
+    Py_INCREF(&CacheType);
+    Py_INCREF(&RoutedType);
+    if (PyModule_AddObject(m, "PrefixCache", (PyObject *)&CacheType) < 0 ||
+        PyModule_AddObject(m, "RoutedBlocks", (PyObject *)&RoutedType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
