@@ -483,7 +483,7 @@ def implementation() -> tuple[str, Any, Any]:
         raise ValueError(f"{IMPL_ENV}={wanted!r}: expected python or compiled")
     if wanted != "python":
         try:
-            from btb_lab.sim import _cachec
+            import btb_lab.sim._cachec as _cachec
         except ImportError as exc:
             if wanted == "compiled":
                 raise ValueError(

@@ -146,7 +146,10 @@ def prompts(rng: random.Random, n: int) -> list[list[int]]:
     out = []
     for j in range(n):
         head = rng.choice(heads)
-        out.append(head[: rng.randint(1, len(head))] + [-(j * 10 + i) - 1 for i in range(rng.randint(0, 3))])
+        out.append(
+            head[: rng.randint(1, len(head))]
+            + [-(j * 10 + i) - 1 for i in range(rng.randint(0, 3))]
+        )
     return out
 
 
