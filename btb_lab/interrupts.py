@@ -5,13 +5,21 @@ a `kill` or a job scheduler's stop too."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
-__all__ = ["Terminated", "exit_code", "terminate_interrupts", "terminated"]
+__all__ = [
+    "Terminated",
+    "cancel_on_terminate",
+    "exit_code",
+    "terminate_interrupts",
+    "terminated",
+]
 
 # SIGTERMs this process received while `terminate_interrupts` was active
 _received: list[int] = []
@@ -44,6 +52,36 @@ def terminate_interrupts() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def cancel_on_terminate(task: Callable[[], asyncio.Task[Any] | None]) -> Iterator[list[int]]:
+    """While an event loop runs `task()`: SIGTERM cancels that task, as asyncio.Runner does
+    for Ctrl-C, instead of raising `Terminated` inside whatever callback is running (an
+    event loop reports an exception raised in a transport's callback and carries on, so
+    the run would finish as if never stopped). Yields the signals received; the caller
+    raises `Terminated` once the cancelled task has unwound. A second SIGTERM raises at
+    once. A no-op off the main thread."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _received.append(signum)
+        got.append(signum)
+        main = task()
+        if len(got) == 1 and main is not None and not main.done():
+            main.cancel()
+            main.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop
+            return
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield got
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from btb_lab.interrupts import Terminated, cancel_on_terminate
 from btb_lab.records import Request, RequestRecord
 
 if TYPE_CHECKING:
@@ -63,9 +64,28 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
     # Young collections stay small and frequent; full passes over the growing set of
     # finished records (each a stall of tens of milliseconds) become rare.
     gc.set_threshold(thresholds[0], thresholds[1], 1000)
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def run_main() -> T:
+        task = asyncio.current_task()
+        if task is not None:
+            tasks.append(task)
+        return await main
+
     try:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(main)
+        with (
+            asyncio.Runner(loop_factory=factory) as runner,
+            cancel_on_terminate(lambda: tasks[0] if tasks else None) as signals,
+        ):
+            try:
+                result = runner.run(run_main())
+            except asyncio.CancelledError:
+                if signals:  # SIGTERM cancelled the run: stop as for Ctrl-C
+                    raise Terminated(signals[0]) from None
+                raise
+            if signals:  # the run caught the cancellation and returned: stop all the same
+                raise Terminated(signals[0])
+            return result
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
