@@ -41,14 +41,22 @@ def exit_code(exc: BaseException) -> int:
 @contextmanager
 def terminate_interrupts() -> Iterator[None]:
     """SIGTERM raises `Terminated` while active (a no-op off the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def handler(signum: int, frame: FrameType | None) -> None:
         _received.append(signum)
         raise Terminated(signum)
 
+    with _on_sigterm(handler):
+        yield
+
+
+@contextmanager
+def _on_sigterm(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """`handler` for SIGTERM while active, the previous one after (main thread only: a
+    no-op elsewhere, where Python cannot install signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
@@ -65,9 +73,6 @@ def cancel_on_terminate(task: Callable[[], asyncio.Task[Any] | None]) -> Iterato
     raises `Terminated` once the cancelled task has unwound. A second SIGTERM raises at
     once. A no-op off the main thread."""
     got: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield got
-        return
 
     def handler(signum: int, frame: FrameType | None) -> None:
         _received.append(signum)
@@ -79,11 +84,8 @@ def cancel_on_terminate(task: Callable[[], asyncio.Task[Any] | None]) -> Iterato
             return
         raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
+    with _on_sigterm(handler):
         yield got
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def terminated() -> bool:
