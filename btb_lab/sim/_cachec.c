@@ -970,21 +970,9 @@ fail:
     return NULL;
 }
 
-static PyObject *routed_blocks(Routed *r, PyObject *u) {
-    PyObject *out = PyList_New(0);
-    if (!out) return NULL;
-    for (int32_t i = r->lru.head; i != NONE_I; i = r->t.e[i].hnext)
-        if (PyList_Append(out, r->t.e[i].key) < 0) {
-            Py_DECREF(out);
-            return NULL;
-        }
-    return out;
-}
-
 static PyMethodDef routed_methods[] = {
     {"note", (PyCFunction)routed_note, METH_O, NULL},
     {"lead", (PyCFunction)routed_lead, METH_O, NULL},
-    {"blocks", (PyCFunction)routed_blocks, METH_NOARGS, NULL},
     {NULL},
 };
 

@@ -464,10 +464,6 @@ class RoutedBlocks:
         while len(blocks) > cap:
             blocks.popitem(False)  # the oldest
 
-    def blocks(self) -> list[int]:
-        """The blocks believed held, least recent first (for tests)."""
-        return list(self._blocks)
-
     def lead(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` believed held."""
         return _lead(self._blocks, hashes)
