@@ -357,57 +357,35 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         _check_sim_sampling(loaded, worlds, first_requests)
         versions["btb_lab.sim.cache"] = _sim_cache()
     run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
-    run_id = run_dir.name if options.out is None else new_run_id()
-    manifest = Manifest(
-        run_id=run_id,
-        run_dir=str(run_dir),
-        hypothesis_id=hyp.id,
-        hypothesis_file=str(loaded.path),
-        hypothesis=redact_value(hyp.model_dump(mode="json", by_alias=True)),
-        aliases=hyp.aliases,
-        cli={"argv": redact_argv(list(sys.argv)), "options": _options_json(options)},
-        backend=plan.backend,
-        variants=plan.variants,
-        repeats=plan.repeats,
-        master_seed=plan.seed,
-        requests_per_run=len(first_requests),
-        runs_planned=len(plan.variants) * plan.repeats,
-        versions=versions,
-        git=_git_commit(loaded.base_dir),
-        host={"hostname": socket.gethostname(), "platform": platform.platform()},
-        started=_now(),
-    )
-    try:
-        manifest.save(run_dir)
-        # Room for the last words: freed when the run ends, so that on a full disk the
-        # manifest can still record the error and the records their parquet files.
-        (run_dir / SPACE_RESERVE).write_bytes(bytes(SPACE_RESERVE_BYTES))
-    except OSError as exc:
-        (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
-        (run_dir / MANIFEST).unlink(missing_ok=True)
-        _remove_if_empty(run_dir)
-        raise OutputError(describe_os_error(exc, run_dir)) from None
     interrupted: KeyboardInterrupt | None = None
     failure: Exception | None = None
+    # One `try` from the first manifest on: a stop that lands while the directory is set
+    # up (a sweep worker meets SIGTERM as its point starts) still marks it interrupted.
     try:
-        with terminate_interrupts(), _Progress(options.progress) as progress:
-            repeat = 0
-            planned = plan.repeats
-            while True:
-                workload_seed = derive_seed(plan.seed, "workload", repeat)
-                requests = first_requests if repeat == 0 else _load_requests(loaded, workload_seed)
-                manifest.requests_per_run = len(requests)
-                for name in plan.variants:
-                    _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
-                             manifest, progress, workload_seed)  # fmt: skip
-                repeat += 1
-                if repeat >= planned:
-                    planned = _repeats_needed(hyp, plan.variants, run_dir, manifest, repeat)
+        with terminate_interrupts():
+            manifest = _new_manifest(run_dir, options, plan, len(first_requests), versions)
+            _open_run_dir(run_dir, manifest)
+            with _Progress(options.progress) as progress:
+                repeat = 0
+                planned = plan.repeats
+                while True:
+                    workload_seed = derive_seed(plan.seed, "workload", repeat)
+                    if repeat == 0:
+                        requests = first_requests
+                    else:
+                        requests = _load_requests(loaded, workload_seed)
+                    manifest.requests_per_run = len(requests)
+                    for name in plan.variants:
+                        _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
+                                 manifest, progress, workload_seed)  # fmt: skip
+                    repeat += 1
                     if repeat >= planned:
-                        break
-                    manifest.repeats = planned  # `repeats: auto` goes past its minimum
-                    manifest.runs_planned = len(plan.variants) * planned
-                    manifest.save(run_dir)
+                        planned = _repeats_needed(hyp, plan.variants, run_dir, manifest, repeat)
+                        if repeat >= planned:
+                            break
+                        manifest.repeats = planned  # `repeats: auto` goes past its minimum
+                        manifest.runs_planned = len(plan.variants) * planned
+                        manifest.save(run_dir)
     except KeyboardInterrupt as exc:
         interrupted = exc
     except Exception as exc:  # a later repeat's workload, a full disk, a bug: recorded
@@ -417,7 +395,16 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         close = getattr(backend, "close", None)
         if callable(close):
             close()
-        failure, interrupted = _finish(run_dir, manifest, plan, interrupted, failure)
+        opened = (run_dir / MANIFEST).exists()
+        if opened:
+            failure, interrupted = _finish(run_dir, manifest, plan, interrupted, failure)
+        else:  # stopped, or refused by the disk, before the first manifest: nothing to keep
+            (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
+            _remove_if_empty(run_dir)
+    if not opened and failure is not None:
+        raise failure
+    if not opened and interrupted is not None:
+        raise interrupted
 
     from btb_lab.report.render import build_report
 
@@ -437,6 +424,46 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     if interrupted is not None:
         raise RunInterrupted(run_dir, getattr(interrupted, "signum", signal.SIGINT))
     return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)
+
+
+def _new_manifest(
+    run_dir: Path, options: RunOptions, plan: RunPlan, requests_per_run: int,
+    versions: dict[str, str],
+) -> Manifest:  # fmt: skip
+    hyp, loaded = plan.hypothesis, plan.loaded
+    return Manifest(
+        run_id=run_dir.name if options.out is None else new_run_id(),
+        run_dir=str(run_dir),
+        hypothesis_id=hyp.id,
+        hypothesis_file=str(loaded.path),
+        hypothesis=redact_value(hyp.model_dump(mode="json", by_alias=True)),
+        aliases=hyp.aliases,
+        cli={"argv": redact_argv(list(sys.argv)), "options": _options_json(options)},
+        backend=plan.backend,
+        variants=plan.variants,
+        repeats=plan.repeats,
+        master_seed=plan.seed,
+        requests_per_run=requests_per_run,
+        runs_planned=len(plan.variants) * plan.repeats,
+        versions=versions,
+        git=_git_commit(loaded.base_dir),
+        host={"hostname": socket.gethostname(), "platform": platform.platform()},
+        started=_now(),
+    )
+
+
+def _open_run_dir(run_dir: Path, manifest: Manifest) -> None:
+    """The first manifest, then the disk-space reserve; a disk that refuses either is an
+    `OutputError` and leaves no manifest behind."""
+    try:
+        manifest.save(run_dir)
+        # Room for the last words: freed when the run ends, so that on a full disk the
+        # manifest can still record the error and the records their parquet files.
+        (run_dir / SPACE_RESERVE).write_bytes(bytes(SPACE_RESERVE_BYTES))
+    except OSError as exc:
+        (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
+        (run_dir / MANIFEST).unlink(missing_ok=True)
+        raise OutputError(describe_os_error(exc, run_dir)) from None
 
 
 def _finish(

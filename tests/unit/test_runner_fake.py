@@ -228,6 +228,44 @@ def test_interrupt_keeps_finished_records(tmp_path: Path, fake_effects) -> None:
     assert CLOSED == [FAKE]  # resources held across variants are released on Ctrl-C too
 
 
+@pytest.mark.parametrize("after", [1, 0])
+def test_a_stop_right_after_the_first_manifest_marks_the_run_interrupted(
+    tmp_path: Path, fake_effects, monkeypatch, after: int
+) -> None:
+    """The stop lands while the run directory is being set up: just after its first
+    manifest.json (while the disk-space reserve is written; a sweep's worker meets this
+    when SIGTERM reaches it as a point starts) or during that first save. A manifest on
+    disk never stays "running"; without one, no directory is left behind."""
+    import btb_lab.runner as runner
+    from btb_lab.interrupts import Terminated
+
+    save = runner.Manifest.save
+    calls = [0]
+
+    def stopped(self, run_dir: Path) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            if after:
+                save(self, run_dir)
+            raise Terminated(15)
+        save(self, run_dir)
+
+    monkeypatch.setattr(runner.Manifest, "save", stopped)
+    with pytest.raises(KeyboardInterrupt) as info:
+        run_fake(tmp_path)
+    assert getattr(info.value, "signum", None) == 15
+    assert SEEN == []  # no variant started
+    run_dir = tmp_path / "run"
+    if not after:
+        assert not run_dir.exists()
+        return
+    assert isinstance(info.value, RunInterrupted)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["interrupted"], manifest["complete"]) == (True, False)
+    assert not (run_dir / runner.SPACE_RESERVE).exists()
+    assert "INCOMPLETE RUN" in (run_dir / "report.md").read_text()
+
+
 def test_a_crashed_run_keeps_its_traceback_and_the_report_links_it(
     tmp_path: Path, fake_effects
 ) -> None:
