@@ -12,7 +12,7 @@ LOG_FILES ?=
 help: ## List targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml setup.py btb_lab/sim/_cachec.c
+$(STAMP): pyproject.toml setup.py btb_lab/sim/_cachec.c btb_lab/workload/_hashc.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

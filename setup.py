@@ -1,8 +1,9 @@
-"""The optional compiled prefix cache. Everything else is in pyproject.toml.
+"""The optional compiled parts. Everything else is in pyproject.toml.
 
-`btb_lab/sim/_cachec.c` builds with the C compiler the interpreter was built with; where it
-cannot, the install goes on without it and the simulator uses the pure-Python cache (the
-same rules; `btb-lab run` records which one ran).
+`btb_lab/sim/_cachec.c` (the prefix cache) and `btb_lab/workload/_hashc.c` (the block-id
+hash) build with the C compiler the interpreter was built with; where they cannot, the
+install goes on without them and btb-lab uses the pure-Python code (the same rules and
+ids; `btb-lab run` records which cache ran).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +15,12 @@ setup(
             ["btb_lab/sim/_cachec.c"],
             optional=True,
             extra_compile_args=["-O2", "-std=c11"],
-        )
+        ),
+        Extension(
+            "btb_lab.workload._hashc",
+            ["btb_lab/workload/_hashc.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-std=c11"],
+        ),
     ]
 )

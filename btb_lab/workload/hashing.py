@@ -10,7 +10,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-__all__ = ["BlockIdAllocator", "BlockIdInterner", "block_id", "stable_hash63", "stable_hashes63"]
+__all__ = [
+    "BlockIdAllocator",
+    "BlockIdInterner",
+    "block_id",
+    "python_stable_hashes63",
+    "stable_hash63",
+    "stable_hashes63",
+]
 
 _MASK_63 = (1 << 63) - 1
 
@@ -21,12 +28,18 @@ def stable_hash63(text: str) -> int:
     return int.from_bytes(digest, "big") & _MASK_63
 
 
-def stable_hashes63(texts: Iterable[str]) -> list[int]:
+def python_stable_hashes63(texts: Iterable[str]) -> list[int]:
     """`stable_hash63` of each of `texts`, in one pass (no function call per text)."""
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     return [
         from_bytes(blake2b(t.encode(), digest_size=8).digest(), "big") & _MASK_63 for t in texts
     ]
+
+
+try:  # the same function in C (`_hashc.c`), where the install could build it
+    from btb_lab.workload._hashc import stable_hashes63
+except ImportError:  # pragma: no cover - installs without a C compiler
+    stable_hashes63 = python_stable_hashes63
 
 
 def block_id(value: int | str) -> int:

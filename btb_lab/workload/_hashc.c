@@ -1,0 +1,150 @@
+/* The compiled block-id hash: `stable_hashes63` of btb_lab/workload/hashing.py without a
+ * hashlib object, a digest bytes object and an int.from_bytes call per id.
+ *
+ * BLAKE2b with an 8-byte digest and no key, as RFC 7693 defines it (the same function as
+ * hashlib.blake2b(data, digest_size=8)); the digest read big-endian and masked to 63 bits,
+ * exactly as the Python code does. tests/unit/test_workload_hashing.py checks both paths
+ * against hashlib on empty, short, multi-block and non-ASCII texts.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static const uint64_t IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+
+static const uint8_t SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+#define ROTR64(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
+#define MIX(a, b, c, d, x, y)          \
+    do {                               \
+        v[a] = v[a] + v[b] + (x);      \
+        v[d] = ROTR64(v[d] ^ v[a], 32); \
+        v[c] = v[c] + v[d];            \
+        v[b] = ROTR64(v[b] ^ v[c], 24); \
+        v[a] = v[a] + v[b] + (y);      \
+        v[d] = ROTR64(v[d] ^ v[a], 16); \
+        v[c] = v[c] + v[d];            \
+        v[b] = ROTR64(v[b] ^ v[c], 63); \
+    } while (0)
+
+static uint64_t load64_le(const uint8_t *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t w;
+    memcpy(&w, p, sizeof w);
+    return w;
+#else
+    uint64_t w = 0;
+    for (int i = 7; i >= 0; i--) w = (w << 8) | p[i];
+    return w;
+#endif
+}
+
+/* One compression of the 128-byte `block`; `bytes` counts the message bytes so far. */
+static void compress(uint64_t h[8], const uint8_t block[128], uint64_t bytes, int last) {
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++) m[i] = load64_le(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = IV[i];
+    }
+    v[12] ^= bytes; /* the high word of the 128-bit counter stays 0 below 2**64 bytes */
+    if (last) v[14] = ~v[14];
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = SIGMA[r];
+        MIX(0, 4, 8, 12, m[s[0]], m[s[1]]);
+        MIX(1, 5, 9, 13, m[s[2]], m[s[3]]);
+        MIX(2, 6, 10, 14, m[s[4]], m[s[5]]);
+        MIX(3, 7, 11, 15, m[s[6]], m[s[7]]);
+        MIX(0, 5, 10, 15, m[s[8]], m[s[9]]);
+        MIX(1, 6, 11, 12, m[s[10]], m[s[11]]);
+        MIX(2, 7, 8, 13, m[s[12]], m[s[13]]);
+        MIX(3, 4, 9, 14, m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* BLAKE2b-64 of `data`, read big-endian as hashlib's digest would be, masked to 63 bits. */
+static uint64_t hash63(const uint8_t *data, Py_ssize_t n) {
+    uint64_t h[8];
+    uint8_t block[128];
+    memcpy(h, IV, sizeof h);
+    h[0] ^= 0x01010000ULL ^ 8; /* fanout 1, depth 1, no key, 8-byte digest */
+    uint64_t done = 0;
+    while (n > 128) {
+        done += 128;
+        compress(h, data, done, 0);
+        data += 128;
+        n -= 128;
+    }
+    memset(block, 0, sizeof block);
+    memcpy(block, data, (size_t)n);
+    compress(h, block, done + (uint64_t)n, 1);
+    /* digest bytes are h[0] little-endian; int.from_bytes(..., "big") reverses them */
+    uint64_t x = h[0], be = 0;
+    for (int i = 0; i < 8; i++) {
+        be = (be << 8) | (x & 0xff);
+        x >>= 8;
+    }
+    return be & 0x7fffffffffffffffULL;
+}
+
+static PyObject *stable_hashes63(PyObject *self, PyObject *texts) {
+    PyObject *seq = PySequence_Fast(texts, "stable_hashes63 takes a sequence of str");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyUnicode_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "stable_hashes63: expected str, got %.100s",
+                         Py_TYPE(items[i])->tp_name);
+            goto fail;
+        }
+        Py_ssize_t size;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(items[i], &size);
+        if (utf8 == NULL) goto fail; /* a lone surrogate: str.encode() raises too */
+        PyObject *value = PyLong_FromUnsignedLongLong(hash63((const uint8_t *)utf8, size));
+        if (value == NULL) goto fail;
+        PyList_SET_ITEM(out, i, value);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"stable_hashes63", stable_hashes63, METH_O,
+     "stable_hashes63(texts) -> list[int]: the 63-bit blake2b id of each str."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_hashc", "The compiled block-id hash (BLAKE2b, RFC 7693).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__hashc(void) { return PyModule_Create(&module); }

@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def stable_hashes63(texts: Sequence[str]) -> list[int]: ...
