@@ -5,13 +5,15 @@ a `kill` or a job scheduler's stop too."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # every command imports this module; only the cluster driver runs asyncio
+    import asyncio
 
 __all__ = [
     "Terminated",
