@@ -497,6 +497,13 @@ def _finish(
     )
     try:
         manifest.save(run_dir)
+    except KeyboardInterrupt as exc:  # the stop landed on this save: once more, saying so
+        interrupted = interrupted or exc
+        manifest.interrupted = True
+        try:
+            manifest.save(run_dir)
+        except OSError as err:
+            failure = failure or err
     except OSError as exc:  # the last saved manifest stays (it says "running")
         failure = failure or exc
     return failure, interrupted

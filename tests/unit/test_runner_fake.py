@@ -266,6 +266,33 @@ def test_a_stop_right_after_the_first_manifest_marks_the_run_interrupted(
     assert "INCOMPLETE RUN" in (run_dir / "report.md").read_text()
 
 
+def test_a_stop_during_the_last_manifest_save_is_recorded(
+    tmp_path: Path, fake_effects, monkeypatch
+) -> None:
+    """Every record is stored when the stop lands on the manifest's last save: the
+    manifest is saved once more, saying the run was interrupted, not left "running"."""
+    import btb_lab.runner as runner
+    from btb_lab.interrupts import Terminated
+
+    save = runner.Manifest.save
+    stops = [0]
+
+    def stopped(self, run_dir: Path) -> None:
+        if self.finished is not None and not stops[0]:
+            stops[0] += 1
+            raise Terminated(15)
+        save(self, run_dir)
+
+    monkeypatch.setattr(runner.Manifest, "save", stopped)
+    with pytest.raises(RunInterrupted) as info:
+        run_fake(tmp_path)
+    assert info.value.signum == 15
+    manifest = json.loads((info.value.run_dir / "manifest.json").read_text())
+    assert manifest["interrupted"] is True
+    assert manifest["finished"] is not None
+    assert len(pd.read_parquet(info.value.run_dir / "requests.parquet")) == 240
+
+
 def test_a_crashed_run_keeps_its_traceback_and_the_report_links_it(
     tmp_path: Path, fake_effects
 ) -> None:
