@@ -3,9 +3,11 @@
  *
  * Each block an instance knows of is one entry: its key (the block id object, owned), its
  * places in the HBM and host-RAM LRUs (doubly linked lists through the entries), its pin
- * count and its pending mark. One hash probe per block per operation answers every question
- * the Python class asks of its dicts one by one, and no object is allocated per block.
- * An entry goes when it holds nothing (not resident, not pinned, not pending).
+ * count and its pending mark. At most one hash probe per block per operation answers every
+ * question the Python class asks of its dicts one by one, and no object is allocated per
+ * block; an operation walking a prefix that an earlier one walked follows the entries'
+ * `after` links instead of probing (`walk`). An entry goes when it holds nothing (not
+ * resident, not pinned, not pending).
  *
  * The Python classes are the reference: tests/unit/test_sim_cache_model.py runs both
  * against the same model, and tests/unit/test_sim_cache_impl.py checks that whole runs give
@@ -31,6 +33,7 @@ typedef struct {
     int32_t rprev, rnext; /* host-RAM LRU */
     int32_t pins;
     int32_t flags;
+    int32_t after; /* the entry that followed this one in the last walk that probed for it */
     double pending_s;
 } Entry;
 
@@ -59,6 +62,7 @@ static int table_init(Table *t) {
     for (size_t k = 0; k <= t->mask; k++) t->slot[k] = NONE_I;
     for (int32_t i = 0; i < t->n_alloc; i++) {
         t->e[i].key = NULL;
+        t->e[i].after = NONE_I;
         t->e[i].hnext = i + 1 < t->n_alloc ? i + 1 : NONE_I;
     }
     t->free_head = 0;
@@ -128,6 +132,7 @@ static int32_t table_get(Table *t, PyObject *key, Py_hash_t hash) {
         }
         for (int32_t j = t->n_alloc; j < n; j++) {
             e[j].key = NULL;
+            e[j].after = NONE_I;
             e[j].hnext = j + 1 < n ? j + 1 : NONE_I;
         }
         t->free_head = t->n_alloc;
@@ -140,7 +145,7 @@ static int32_t table_get(Table *t, PyObject *key, Py_hash_t hash) {
     Py_INCREF(key);
     e->key = key;
     e->hash = hash;
-    e->hprev = e->hnext = e->rprev = e->rnext = NONE_I;
+    e->hprev = e->hnext = e->rprev = e->rnext = e->after = NONE_I;
     e->pins = 0;
     e->flags = 0;
     e->pending_s = 0.0;
@@ -176,6 +181,38 @@ static void table_release(Table *t, int32_t i) {
     e->hnext = t->free_head;
     t->free_head = i;
     t->n_live--;
+}
+
+/* The entry of `key`, the block after the one whose entry is `*cur` (NONE_I for a walk's
+ * first block); `create`: added when absent. Blocks of a prefix come in the same order
+ * request after request, and a trace's occurrences of an id share one int object, so the
+ * entry that followed `*cur` last time is checked first (by identity, then by hash and
+ * equality: there is one entry per key) before probing the table. The hint is only ever
+ * verified, never trusted: a released or reused entry fails the check. Moves
+ * `*cur` to the result (NONE_I when absent); -2 with an exception set. */
+static inline int32_t walk(Table *t, PyObject *key, int32_t *cur, int create) {
+    int32_t prev = *cur;
+    int32_t next = prev != NONE_I ? t->e[prev].after : NONE_I;
+    if (next != NONE_I && t->e[next].key == key) {
+        *cur = next;
+        return next;
+    }
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) return -2;
+    if (next != NONE_I && t->e[next].key != NULL && t->e[next].hash == hash) {
+        /* an equal id in another object (generated ids, another load batch) */
+        int eq = PyObject_RichCompareBool(t->e[next].key, key, Py_EQ);
+        if (eq < 0) return -2;
+        if (eq) {
+            *cur = next;
+            return next;
+        }
+    }
+    int32_t i = create ? table_get(t, key, hash) : table_find(t, key, hash);
+    if (i == -2) return -2;
+    if (i != NONE_I && prev != NONE_I && i != prev) t->e[prev].after = i;
+    *cur = i;
+    return i;
 }
 
 /* ------------------------------------------------------------------ LRU lists */
@@ -237,16 +274,15 @@ typedef struct {
     char cache_whole, stale_pending;
 } Cache;
 
-#define FIND(c, h, i, fail)                       \
-    Py_hash_t hh_ = PyObject_Hash(h);            \
-    if (hh_ == -1) goto fail;                    \
-    int32_t i = table_find(&(c)->t, (h), hh_);   \
+/* A walk over a run of blocks: each function that uses FIND or GET declares `WALK;` first. */
+#define WALK int32_t cur_ = NONE_I
+
+#define FIND(c, h, i, fail)                      \
+    int32_t i = walk(&(c)->t, (h), &cur_, 0);    \
     if (i == -2) goto fail
 
-#define GET(c, h, i, fail)                        \
-    Py_hash_t hh_ = PyObject_Hash(h);            \
-    if (hh_ == -1) goto fail;                    \
-    int32_t i = table_get(&(c)->t, (h), hh_);    \
+#define GET(c, h, i, fail)                       \
+    int32_t i = walk(&(c)->t, (h), &cur_, 1);    \
     if (i < 0) goto fail
 
 static int cache_init(Cache *self, PyObject *args, PyObject *kw) {
@@ -355,6 +391,7 @@ static PyObject *lead_where(Cache *c, PyObject *obj, int mask, int pinned) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
     Py_ssize_t n = 0;
+    WALK;
     for (; n < s.len; n++) {
         FIND(c, s.items[n], i, fail);
         if (i == NONE_I) break;
@@ -375,6 +412,7 @@ static PyObject *cache_host_lead(Cache *c, PyObject *h) { return lead_where(c, h
 /* The run over pending blocks from `start`: (end, latest completion). */
 static int pending_run(Cache *c, Seq *s, Py_ssize_t start, double *ready, Py_ssize_t *end) {
     Py_ssize_t k = start;
+    WALK;
     for (; k < s->len; k++) {
         FIND(c, s->items[k], i, fail);
         if (i == NONE_I || !(c->t.e[i].flags & F_PEND)) break;
@@ -410,6 +448,7 @@ static PyObject *cache_locate(Cache *c, PyObject *args) {
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &c->t;
     Py_ssize_t n = 0, n_ram = 0, n_disk = 0;
+    WALK;
     for (; n < s.len; n++) {
         FIND(c, s.items[n], i, fail);
         if (i == NONE_I || !(t->e[i].flags & F_HBM)) break;
@@ -450,6 +489,7 @@ fail:
  * resident ones too (touch), else leave them (promote). */
 static int touch_range(Cache *c, Seq *s, Py_ssize_t lo, Py_ssize_t hi, int move) {
     Table *t = &c->t;
+    WALK;
     for (Py_ssize_t k = lo; k < hi; k++) {
         GET(c, s->items[k], i, fail);
         Entry *e = &t->e[i];
@@ -474,6 +514,7 @@ fail:
 }
 
 static int unmark_range(Cache *c, Seq *s, Py_ssize_t lo, Py_ssize_t hi) {
+    WALK;
     for (Py_ssize_t k = lo; k < hi && c->n_pending; k++) {
         FIND(c, s->items[k], i, fail);
         if (i != NONE_I) unmark(c, i);
@@ -531,6 +572,7 @@ static PyObject *cache_insert_arrived(Cache *c, PyObject *args) {
     if (seq_open(&s, obj) < 0) return NULL;
     PyObject *due = PyList_New(0);
     if (!due) goto fail;
+    WALK;
     for (Py_ssize_t k = 0; k < s.len; k++) {
         FIND(c, s.items[k], i, fail);
         if (i != NONE_I && (c->t.e[i].flags & F_PEND) && c->t.e[i].pending_s <= now + eps &&
@@ -560,14 +602,10 @@ static PyObject *expect_common(Cache *c, PyObject *obj, Py_ssize_t lo, double do
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &c->t;
+    WALK;
     for (Py_ssize_t k = clamp(lo, s.len); k < s.len; k++) {
-        PyObject *h = s.items[k];
-        Py_hash_t hash = PyObject_Hash(h);
-        if (hash == -1) goto fail;
-        int32_t i = table_find(t, h, hash);
-        if (i == -2) goto fail;
-        if (i != NONE_I && (t->e[i].flags & F_HBM)) continue;
-        if (i == NONE_I && (i = table_get(t, h, hash)) < 0) goto fail;
+        GET(c, s.items[k], i, fail); /* a new entry holds nothing: not resident */
+        if (t->e[i].flags & F_HBM) continue;
         Entry *e = &t->e[i];
         if (e->flags & F_PEND) {
             if (!keep_later || done > e->pending_s) e->pending_s = done;
@@ -612,6 +650,7 @@ static PyObject *cache_pin(Cache *c, PyObject *args) {
         return NULL;
     }
     Py_ssize_t n0 = c->n_pins;
+    WALK;
     for (Py_ssize_t k = start; k < upto; k++) {
         GET(c, s.items[k], i, fail);
         if (!c->t.e[i].pins++) c->n_pins++;
@@ -633,6 +672,7 @@ static PyObject *cache_insert_pinned(Cache *c, PyObject *args) {
     Table *t = &c->t;
     Py_ssize_t n0 = c->n_pins, lo = clamp(start, s.len);
     /* hashes[:start] are pinned by the caller: resident, and their order never matters */
+    WALK;
     for (Py_ssize_t k = lo; k < s.len; k++) {
         GET(c, s.items[k], i, fail);
         Entry *e = &t->e[i];
@@ -670,6 +710,7 @@ static PyObject *cache_unpin(Cache *c, PyObject *args) {
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &c->t;
     Py_ssize_t n0 = c->n_pins, hi = clamp(n, s.len);
+    WALK;
     for (Py_ssize_t k = 0; k < hi; k++) {
         FIND(c, s.items[k], i, fail);
         if (i == NONE_I || !t->e[i].pins || !(t->e[i].flags & F_HBM)) {
@@ -695,6 +736,7 @@ static PyObject *cache_in_ram(Cache *c, PyObject *obj) {
     if (!out || !c->ram.n) return out;
     Seq s;
     if (seq_open(&s, obj) < 0) goto fail;
+    WALK;
     for (Py_ssize_t k = 0; k < s.len; k++) {
         FIND(c, s.items[k], i, fail);
         if (i != NONE_I && (c->t.e[i].flags & F_RAM) && PyList_Append(out, s.items[k]) < 0)
@@ -713,6 +755,7 @@ static PyObject *cache_drop(Cache *c, PyObject *obj) {
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &c->t;
     Py_ssize_t freed = 0;
+    WALK;
     for (Py_ssize_t k = 0; k < s.len; k++) {
         FIND(c, s.items[k], i, fail);
         if (i == NONE_I) continue;
@@ -745,6 +788,7 @@ static PyObject *cache_demote(Cache *c, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) goto fail;
     Table *t = &c->t;
+    WALK;
     for (Py_ssize_t k = 0; k < s.len; k++) {
         FIND(c, s.items[k], i, fail);
         if (i == NONE_I) continue;
@@ -771,6 +815,7 @@ static PyObject *cache_n_hbm(Cache *c, PyObject *u) { return PyLong_FromSsize_t(
 static PyObject *cache_n_pinned(Cache *c, PyObject *u) { return PyLong_FromSsize_t(c->n_pins); }
 
 static PyObject *cache_pin_count(Cache *c, PyObject *h) {
+    WALK;
     FIND(c, h, i, fail);
     return PyLong_FromLong(i == NONE_I ? 0 : c->t.e[i].pins);
 fail:
@@ -926,11 +971,9 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &r->t;
+    int32_t cur = NONE_I;
     for (Py_ssize_t k = 0; k < s.len; k++) {
-        PyObject *h = s.items[k];
-        Py_hash_t hash = PyObject_Hash(h);
-        if (hash == -1) goto fail;
-        int32_t i = table_get(t, h, hash);
+        int32_t i = walk(t, s.items[k], &cur, 1);
         if (i < 0) goto fail;
         if (t->e[i].flags & F_HBM) {
             UNLINK(t, i, hprev, hnext, &r->lru);
@@ -956,10 +999,9 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
     Py_ssize_t n = 0;
+    int32_t cur = NONE_I;
     for (; n < s.len; n++) {
-        Py_hash_t hash = PyObject_Hash(s.items[n]);
-        if (hash == -1) goto fail;
-        int32_t i = table_find(&r->t, s.items[n], hash);
+        int32_t i = walk(&r->t, s.items[n], &cur, 0);
         if (i == -2) goto fail;
         if (i == NONE_I) break;
     }

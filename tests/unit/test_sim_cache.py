@@ -197,3 +197,37 @@ def test_routed_blocks_are_an_lru_of_what_was_routed() -> None:
     assert r.lead([3, 1, 4]) == 3
     assert r.lead([1, 4, 2, 3]) == 2
     assert r.lead([3]) == 1
+
+
+def fresh(*values: int) -> list[int]:
+    """Equal ids in new int objects (as generated ids or another load batch give them)."""
+    return [int(str((1 << 62) + v)) for v in values]
+
+
+def test_walks_answer_by_key_when_the_order_or_the_objects_change() -> None:
+    """The compiled cache remembers which block followed which; that hint must never
+    change an answer: blocks evicted and their entries reused, a run walked in another
+    order, equal ids in other objects."""
+    r = RoutedBlocks(3)
+    a, b, c, d, e, f = fresh(1, 2, 3, 4, 5, 6)
+    r.note([a, b, c])
+    r.note([d, e, f])  # evicts a, b, c: their entries hold d, e, f now
+    assert (r.lead([a, b, c]), r.lead([d, e, f])) == (0, 3)
+    assert r.lead(fresh(4, 5, 6)) == 3
+    assert (r.lead([d, a, f]), r.lead([d, f, e]), r.lead([e, f])) == (1, 3, 2)
+    r.note([f, e, d])
+    assert (r.lead([f, e, d]), r.lead(fresh(6, 5)), r.lead([f, d, a])) == (3, 2, 2)
+
+    cc = cache(6)
+    ids = fresh(*range(10, 16))
+    cc.insert(ids)
+    assert cc.drop(ids[2:4]) == 2
+    cc.insert([ids[0], ids[1], *fresh(20, 21)])
+    assert cc.lead(ids) == 2
+    assert cc.lead(fresh(10, 11, 20, 21, 14)) == 5
+    assert cc.lead(fresh(10, 11, 12)) == 2
+    assert cc.locate(fresh(10, 11, 20, 99), 0.0)[:2] == (3, 3)
+    cc.insert_pinned(fresh(10, 11, 20, 21), 0)
+    cc.unpin(fresh(10, 11, 20, 21), 4)
+    cc.check()
+    assert resident(cc, fresh(10, 11, 12, 13, 14, 15, 20, 21)) == fresh(10, 11, 14, 15, 20, 21)
