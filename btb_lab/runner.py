@@ -406,6 +406,9 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     if not opened and interrupted is not None:
         raise interrupted
 
+    # The workload is stored; the report reads it back from disk. Let it go first, so the
+    # report's peak memory does not stack on the simulation's.
+    first_requests = requests = []
     from btb_lab.report.render import build_report
 
     if failure is not None:
