@@ -339,6 +339,11 @@ def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> N
     _write_parquet(
         _typed_events(_read_parts(run_dir, "events"), variant_order), run_dir / "events.parquet"
     )
+    import pyarrow as pa
+
+    # the conversion's buffers go back to the system, so that the analysis and plots that
+    # follow start from the simulation's footprint instead of stacking on this one's
+    pa.default_memory_pool().release_unused()
 
 
 def _read_parquet(path: Path) -> pd.DataFrame | None:
