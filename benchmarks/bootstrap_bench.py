@@ -31,7 +31,8 @@ def _timed(label: str, fn) -> None:  # type: ignore[no-untyped-def]
     draws = fn()
     wall = time.perf_counter() - start
     low, high = np.percentile(draws.values, [2.5, 97.5])
-    print(f"  {label:<34} {wall:6.2f} s   [{low * 100:+.2f}%, {high * 100:+.2f}%]  ({draws.method})")
+    interval = f"[{low * 100:+.2f}%, {high * 100:+.2f}%]"
+    print(f"  {label:<34} {wall:6.2f} s   {interval}  ({draws.method})")
 
 
 def bootstrap(n: int, samples: int) -> None:
@@ -43,17 +44,30 @@ def bootstrap(n: int, samples: int) -> None:
     ok_v = np.where(np.isnan(var), 0.0, 1.0)
     print(f"paired bootstrap, {n:,} requests × {samples:,} resamples")
     for repeats in (1, 4):
+
         def split(x: np.ndarray, r: int = repeats) -> list[np.ndarray]:
             return np.array_split(x[:, None], r)
 
         tag = f"{repeats} repeat{'s' if repeats > 1 else ''}"
         for q in (90.0, 50.0):
-            _timed(f"TTFT p{q:g}, {tag}", lambda q=q, s=split: paired_draws(
-                s(base), s(var), "latency", q, samples=samples, rng=np.random.default_rng(3)))
-        _timed(f"OK rate, {tag}", lambda s=split: paired_draws(
-            s(ok_b), s(ok_v), "ok_rate", None, samples=samples, rng=np.random.default_rng(3)))
-        _timed(f"TTFT mean, {tag}", lambda s=split: paired_draws(
-            s(base), s(var), "latency", None, samples=samples, rng=np.random.default_rng(3)))
+            _timed(
+                f"TTFT p{q:g}, {tag}",
+                lambda q=q, s=split: paired_draws(
+                    s(base), s(var), "latency", q, samples=samples, rng=np.random.default_rng(3)
+                ),
+            )
+        _timed(
+            f"OK rate, {tag}",
+            lambda s=split: paired_draws(
+                s(ok_b), s(ok_v), "ok_rate", None, samples=samples, rng=np.random.default_rng(3)
+            ),
+        )
+        _timed(
+            f"TTFT mean, {tag}",
+            lambda s=split: paired_draws(
+                s(base), s(var), "latency", None, samples=samples, rng=np.random.default_rng(3)
+            ),
+        )
 
 
 def report(n: int) -> None:
@@ -88,8 +102,9 @@ def report(n: int) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="btb-bench-report-"))
     try:
         records[[*STORED_COLUMNS, "extra"]].to_parquet(run_dir / "requests.parquet", index=False)
-        pd.DataFrame(columns=["variant", "repeat", "time_s", "instance", "device", "utilization",
-                              "memory_bytes", "source"]).to_parquet(run_dir / "utilization.parquet")  # fmt: skip
+        util_columns = ["variant", "repeat", "time_s", "instance", "device", "utilization",
+                        "memory_bytes", "source"]  # fmt: skip
+        pd.DataFrame(columns=util_columns).to_parquet(run_dir / "utilization.parquet")
         Manifest(
             run_id="bench", run_dir=str(run_dir), hypothesis_id=hyp.id, hypothesis_file="btb.yaml",
             hypothesis=hyp.model_dump(mode="json", by_alias=True), cli={}, backend="sim",
@@ -101,8 +116,10 @@ def report(n: int) -> None:
         start = time.perf_counter()
         build_report(run_dir)
         wall = time.perf_counter() - start
-        print(f"btb-lab report of {n:,} requests × 2 variants: {wall:.1f} s "
-              f"(plots: {', '.join(sorted(p.name for p in (run_dir / 'plots').iterdir()))})")
+        print(
+            f"btb-lab report of {n:,} requests × 2 variants: {wall:.1f} s "
+            f"(plots: {', '.join(sorted(p.name for p in (run_dir / 'plots').iterdir()))})"
+        )
     finally:
         shutil.rmtree(run_dir)
 

@@ -34,6 +34,7 @@ def test_wheel_installs_and_renders_a_report(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "btb_lab/report/templates/report.md.j2" in names
     assert "btb_lab/py.typed" in names
+    assert {"btb_lab/sim/_cachec.pyi", "btb_lab/workload/_hashc.pyi"} <= set(names)
 
     venv = tmp_path / "venv"
     made = run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
