@@ -16,7 +16,7 @@ static const uint64_t IV[8] = {
     0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
 };
 
-static const uint8_t SIGMA[12][16] = {
+static const uint8_t SIGMA[10][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
     {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
@@ -27,9 +27,7 @@ static const uint8_t SIGMA[12][16] = {
     {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
     {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
     {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
-};
+}; /* rounds 10 and 11 use rows 0 and 1 again */
 
 #define ROTR64(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
 #define MIX(a, b, c, d, x, y)          \
@@ -69,14 +67,14 @@ static void compress(uint64_t h[8], const uint8_t block[128], uint64_t bytes, in
     /* the rounds written out, so every message index is a constant (m stays in registers) */
 #define ROUND(r)                                                   \
     do {                                                           \
-        MIX(0, 4, 8, 12, m[SIGMA[r][0]], m[SIGMA[r][1]]);          \
-        MIX(1, 5, 9, 13, m[SIGMA[r][2]], m[SIGMA[r][3]]);          \
-        MIX(2, 6, 10, 14, m[SIGMA[r][4]], m[SIGMA[r][5]]);         \
-        MIX(3, 7, 11, 15, m[SIGMA[r][6]], m[SIGMA[r][7]]);         \
-        MIX(0, 5, 10, 15, m[SIGMA[r][8]], m[SIGMA[r][9]]);         \
-        MIX(1, 6, 11, 12, m[SIGMA[r][10]], m[SIGMA[r][11]]);       \
-        MIX(2, 7, 8, 13, m[SIGMA[r][12]], m[SIGMA[r][13]]);        \
-        MIX(3, 4, 9, 14, m[SIGMA[r][14]], m[SIGMA[r][15]]);        \
+        MIX(0, 4, 8, 12, m[SIGMA[(r) % 10][0]], m[SIGMA[(r) % 10][1]]);          \
+        MIX(1, 5, 9, 13, m[SIGMA[(r) % 10][2]], m[SIGMA[(r) % 10][3]]);          \
+        MIX(2, 6, 10, 14, m[SIGMA[(r) % 10][4]], m[SIGMA[(r) % 10][5]]);         \
+        MIX(3, 7, 11, 15, m[SIGMA[(r) % 10][6]], m[SIGMA[(r) % 10][7]]);         \
+        MIX(0, 5, 10, 15, m[SIGMA[(r) % 10][8]], m[SIGMA[(r) % 10][9]]);         \
+        MIX(1, 6, 11, 12, m[SIGMA[(r) % 10][10]], m[SIGMA[(r) % 10][11]]);       \
+        MIX(2, 7, 8, 13, m[SIGMA[(r) % 10][12]], m[SIGMA[(r) % 10][13]]);        \
+        MIX(3, 4, 9, 14, m[SIGMA[(r) % 10][14]], m[SIGMA[(r) % 10][15]]);        \
     } while (0)
     ROUND(0);
     ROUND(1);
