@@ -37,6 +37,7 @@ Choices the seed leaves open, made here and documented:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
@@ -143,6 +144,17 @@ class BTBParams(CacheAwareParams):
 
 def prefix_key(blocks: Sequence[int]) -> bytes:
     """A stable 16-byte key of a prefix's block ids (same in every process)."""
+    if type(blocks) is tuple:  # a burst's requests share their prefix: one digest for all
+        return _prefix_key_of_tuple(blocks)
+    return _digest(blocks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefix_key_of_tuple(blocks: tuple[int, ...]) -> bytes:
+    return _digest(blocks)
+
+
+def _digest(blocks: Sequence[int]) -> bytes:
     try:
         payload = struct.pack(f"<{len(blocks)}q", *blocks)
     except struct.error:  # ids wider than 64 bits: fall back to their decimal text

@@ -206,6 +206,9 @@ def test_prefix_key_is_a_blake2b_digest_of_the_block_ids() -> None:
     assert prefix_key((1, 2, 4)) != expected
     huge = (2**70, 5)  # wider than 64 bits: still a stable digest
     assert prefix_key(huge) == hashlib.blake2b(b"1180591620717411303424,5", digest_size=16).digest()
+    # tuples are memoized (a burst shares its prefix); lists and equal tuples agree
+    assert prefix_key([1, 2, 3]) == prefix_key(tuple(int(str(b)) for b in blocks)) == expected
+    assert prefix_key(blocks) == expected  # a hit gives the same digest
 
 
 @pytest.mark.parametrize("name", ["btb", "early_rdma"])
