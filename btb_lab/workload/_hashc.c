@@ -65,16 +65,16 @@ static void compress(uint64_t h[8], const uint8_t block[128], uint64_t bytes, in
     v[12] ^= bytes; /* the high word of the 128-bit counter stays 0 below 2**64 bytes */
     if (last) v[14] = ~v[14];
     /* the rounds written out, so every message index is a constant (m stays in registers) */
-#define ROUND(r)                                                   \
-    do {                                                           \
-        MIX(0, 4, 8, 12, m[SIGMA[(r) % 10][0]], m[SIGMA[(r) % 10][1]]);          \
-        MIX(1, 5, 9, 13, m[SIGMA[(r) % 10][2]], m[SIGMA[(r) % 10][3]]);          \
-        MIX(2, 6, 10, 14, m[SIGMA[(r) % 10][4]], m[SIGMA[(r) % 10][5]]);         \
-        MIX(3, 7, 11, 15, m[SIGMA[(r) % 10][6]], m[SIGMA[(r) % 10][7]]);         \
-        MIX(0, 5, 10, 15, m[SIGMA[(r) % 10][8]], m[SIGMA[(r) % 10][9]]);         \
-        MIX(1, 6, 11, 12, m[SIGMA[(r) % 10][10]], m[SIGMA[(r) % 10][11]]);       \
-        MIX(2, 7, 8, 13, m[SIGMA[(r) % 10][12]], m[SIGMA[(r) % 10][13]]);        \
-        MIX(3, 4, 9, 14, m[SIGMA[(r) % 10][14]], m[SIGMA[(r) % 10][15]]);        \
+#define ROUND(r)                                                           \
+    do {                                                                   \
+        MIX(0, 4, 8, 12, m[SIGMA[(r) % 10][0]], m[SIGMA[(r) % 10][1]]);    \
+        MIX(1, 5, 9, 13, m[SIGMA[(r) % 10][2]], m[SIGMA[(r) % 10][3]]);    \
+        MIX(2, 6, 10, 14, m[SIGMA[(r) % 10][4]], m[SIGMA[(r) % 10][5]]);   \
+        MIX(3, 7, 11, 15, m[SIGMA[(r) % 10][6]], m[SIGMA[(r) % 10][7]]);   \
+        MIX(0, 5, 10, 15, m[SIGMA[(r) % 10][8]], m[SIGMA[(r) % 10][9]]);   \
+        MIX(1, 6, 11, 12, m[SIGMA[(r) % 10][10]], m[SIGMA[(r) % 10][11]]); \
+        MIX(2, 7, 8, 13, m[SIGMA[(r) % 10][12]], m[SIGMA[(r) % 10][13]]);  \
+        MIX(3, 4, 9, 14, m[SIGMA[(r) % 10][14]], m[SIGMA[(r) % 10][15]]);  \
     } while (0)
     ROUND(0);
     ROUND(1);
@@ -92,17 +92,12 @@ static void compress(uint64_t h[8], const uint8_t block[128], uint64_t bytes, in
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
-/* The state before the first block, for an unkeyed `digest_size`-byte digest. */
-static void start(uint64_t h[8], unsigned digest_size) {
-    memcpy(h, IV, 8 * sizeof h[0]);
-    h[0] ^= 0x01010000ULL ^ digest_size; /* fanout 1, depth 1, no key */
-}
-
 /* BLAKE2b-64 of `data`, read big-endian as hashlib's digest would be, masked to 63 bits. */
 static uint64_t hash63(const uint8_t *data, Py_ssize_t n) {
     uint64_t h[8];
     uint8_t block[128];
-    start(h, 8);
+    memcpy(h, IV, sizeof h);
+    h[0] ^= 0x01010000ULL ^ 8; /* fanout 1, depth 1, no key, 8-byte digest */
     uint64_t done = 0;
     while (n > 128) {
         done += 128;
