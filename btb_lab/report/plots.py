@@ -11,6 +11,7 @@ files, and built from aggregates so a million-request run renders as fast as a s
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ def _cdf_grid(
                         label=f"{name} (n={values.size})")  # fmt: skip
                 drawn = True
             ax.set_xscale("log")
-            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=_log_subs(ax)))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
             ax.set_yscale("logit")
             ax.set_ylim(0.005, 0.9995)
@@ -92,9 +93,24 @@ def _cdf_grid(
                 ax.set_ylabel("fraction of requests at or below")
             if drawn:
                 ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(title, fontsize=11)
+    # wrapped to the figure's width (one column is narrower than the title)
+    fig.suptitle(textwrap.fill(title, width=int(fig.get_figwidth() * _TITLE_CHARS_PER_IN)),
+                 fontsize=11)  # fmt: skip
     fig.tight_layout()
     return fig
+
+
+_TITLE_CHARS_PER_IN = 13  # 11-point text at the report's dpi, with a margin
+_DENSE_TICKS_DECADES = 2.5  # 1-2-5 labels up to this many decades a panel, else powers of 10
+
+
+def _log_subs(ax: Any) -> tuple[float, ...]:
+    """Tick multiples for a log axis: 1, 2 and 5 of each decade when the data span few
+    decades, else only the powers of ten, so the labels of a 4-inch panel never overlap."""
+    lo, hi = ax.dataLim.intervalx
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi <= lo:
+        return (1.0, 2.0, 5.0)
+    return (1.0, 2.0, 5.0) if math.log10(hi / lo) <= _DENSE_TICKS_DECADES else (1.0,)
 
 
 def _latency_cdfs(

@@ -4,6 +4,7 @@ byte-for-byte re-rendering of every PNG."""
 from __future__ import annotations
 
 import io
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +97,29 @@ def test_plots_rerender_byte_for_byte(tmp_path: Path) -> None:
     assert set(first) == {"plots/timeline.png", "plots/timeline_zoom.png",
                           "plots/latency_cdf.png", "plots/utilization.png"}  # fmt: skip
     assert first == render(tmp_path / "b") == render(tmp_path / "a")
+
+
+@pytest.mark.parametrize("decades", [1, 4, 7])
+def test_cdf_labels_and_title_fit_a_one_column_figure(decades: int) -> None:
+    """Latencies over `decades` decades in the narrowest grid (one scope): no two tick
+    labels overlap and the title stays inside the figure."""
+    ttft = np.logspace(-3, -3 + decades, 500)
+    frame = pd.DataFrame({"variant": "v", "ttft_s": ttft, "e2e_s": ttft * 2})
+    plt = png.pyplot()
+    title = "Latency CDFs per variant (successful requests, each variant's own classes)"
+    fig = plots._cdf_grid(plt, frame, ["v"], [("all requests", None)], title)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels()
+                     if t.get_visible() and t.get_text()]  # fmt: skip
+            boxes = [b for b in boxes if ax.bbox.x0 - 1 <= b.x0 and b.x1 <= ax.bbox.x1 + 1]
+            assert len(boxes) >= 2
+            for left, right in itertools.pairwise(boxes):
+                assert left.x1 <= right.x0, f"tick labels overlap over {decades} decades"
+        title_box = fig._suptitle.get_window_extent(renderer)
+        assert fig.bbox.x0 <= title_box.x0
+        assert title_box.x1 <= fig.bbox.x1
+    finally:
+        plt.close(fig)
