@@ -10,7 +10,8 @@ Every run is a fresh process; the figures per run:
 - stages: import (the CLI's modules), load (trace → requests), simulate (every variant,
   records stored), analyse (`analyze_run`: metrics, bootstrap, verdict), report (plots
   and report.md), other (the rest of the command: planning, parquet, printing), start+exit
-  (the interpreter's start and teardown);
+  (the interpreter's start, and its teardown where the checkout's console script has
+  one);
 - in-loop: simulated requests per second inside the engine's event loop (the record
   sink's time taken out).
 
@@ -250,19 +251,32 @@ class Patcher(importlib.abc.MetaPathFinder):
         return spec
 
 sys.meta_path.insert(0, Patcher())
-from btb_lab.cli import main
+import atexit
+from btb_lab import cli
 T1 = time.perf_counter()
 sys.argv = ["btb-lab", *argv]
-code = 0
-try:
-    main()
-except SystemExit as exc:
-    code = exc.code or 0
-T2 = time.perf_counter()
-stages["import"] = T1 - T0
-with open(out_file, "w") as handle:
-    json.dump({"stages": stages, "loop": loop, "inside_s": T2 - T0, "code": code,
-               "peak_rss_kib": peak_rss_kib()}, handle)
+ended = {"code": 0, "at": None}
+run_main = cli.main
+
+def timed_main():
+    try:
+        run_main()
+    except SystemExit as exc:
+        ended["code"] = exc.code or 0
+        raise
+    finally:
+        ended["at"] = time.perf_counter()
+
+def write_out():  # an exit handler: the console script's entry ends the process itself
+    stages["import"] = T1 - T0
+    with open(out_file, "w") as handle:
+        json.dump({"stages": stages, "loop": loop, "inside_s": ended["at"] - T0,
+                   "code": ended["code"], "peak_rss_kib": peak_rss_kib()}, handle)
+
+atexit.register(write_out)
+cli.main = timed_main
+# what the `btb-lab` script runs: `entry` where the checkout has it (older ones: `main`)
+getattr(cli, "entry", cli.main)()
 """
 
 

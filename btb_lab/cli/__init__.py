@@ -6,6 +6,7 @@ Command groups live in sibling modules, one per pipeline area.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ import typer
 from btb_lab.cli import calibrate, cluster, core, sim, sweep, trace
 from btb_lab.errors import UserError
 
-__all__ = ["app", "main"]
+__all__ = ["app", "entry", "main"]
 
 app = typer.Typer(
     name="btb-lab",
@@ -94,6 +95,41 @@ def use_system_allocator() -> None:
     it starts, unless the user chose a pool. Set before pyarrow's first allocation (the
     CLI imports it only inside commands); results do not depend on it."""
     os.environ.setdefault(ARROW_POOL_ENV, "system")
+
+
+def entry() -> None:
+    """The `btb-lab` console script: `main`, then the process ends without the
+    interpreter's teardown of every module and object (about 0.25 s after a run with
+    pandas, pyarrow and matplotlib loaded: 6% of a small run), once exit handlers have
+    run and output is flushed. Every file btb-lab writes is closed (or renamed into
+    place) before `main` returns; a traceback, or threads still running, take the
+    interpreter's normal exit."""
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code
+    else:
+        code = 0
+    _exit_now(code)
+
+
+def _exit_now(code: object) -> None:
+    import atexit
+    import threading
+
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_handlers is None or threading.active_count() > 1:
+        sys.exit(code)  # type: ignore[arg-type]  # SystemExit takes any object
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # as the interpreter does: the message, exit 1
+        print(code, file=sys.stderr)
+        code = 1
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe got what it got
+            stream.flush()
+    os._exit(code)
 
 
 def _unreadable_input(exc: Exception) -> str | None:
