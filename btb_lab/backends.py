@@ -61,7 +61,9 @@ class BackendResult:
 
 class Backend(Protocol):
     """A backend may also define `close()`; the runner calls it once after the last
-    variant (or on error / Ctrl-C) so instances reused across variants are stopped."""
+    variant (or on error / Ctrl-C) so instances reused across variants are stopped. Its
+    `record_format` (default "jsonl") picks the parts its records are written to
+    (`results.RECORD_SINKS`)."""
 
     name: str
 

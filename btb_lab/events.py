@@ -10,7 +10,7 @@ not one per change, and a burst's peak is never averaged away.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -118,6 +118,8 @@ class EventLog:
         self.events: list[EventRecord] = []
         # (instance, kind) -> change times and deltas of the queue / batch counters
         self._changes: dict[tuple[str, str], tuple[list[float], list[int]]] = {}
+        # (instance, kind) -> times the counter rose and fell by one (`counter`)
+        self._steps: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
 
     def warm_copy(
         self, start_s: float, end_s: float | None, target: str, source: str, tokens: float,
@@ -181,14 +183,37 @@ class EventLog:
         times.append(time_s)
         deltas.append(delta)
 
+    def counter(
+        self, instance: str, kind: str
+    ) -> tuple[Callable[[float], None], Callable[[float], None]]:
+        """`change` by +1 and by -1 as two `list.append`s of the time: the engine moves
+        its counters a few times per request, and a bound append costs no Python frame."""
+        rises, falls = self._steps.setdefault((instance, kind), ([], []))
+        return rises.append, falls.append
+
+    def counters(
+        self, instances: Sequence[str], kind: str
+    ) -> tuple[list[Callable[[float], None]], list[Callable[[float], None]]]:
+        """`counter` of each instance: (rise appenders, fall appenders), in order."""
+        pairs = [self.counter(instance, kind) for instance in instances]
+        return [rise for rise, _ in pairs], [fall for _, fall in pairs]
+
     def extend(self, events: Sequence[EventRecord]) -> None:
         self.events.extend(events)
 
     def records(self) -> list[EventRecord]:
         """Every event, queue and batch counters as runs of their per-interval maximum."""
         out = list(self.events)
-        for (instance, kind), (times, deltas) in sorted(self._changes.items()):
-            runs = step_runs(np.array(times), np.array(deltas), self.interval_s)
+        for instance, kind in sorted(self._changes.keys() | self._steps.keys()):
+            times, deltas = self._changes.get((instance, kind), ([], []))
+            rises, falls = self._steps.get((instance, kind), ([], []))
+            # the order of changes at one instant does not matter: they apply together
+            all_times = np.concatenate([np.array(t, dtype=float) for t in (times, rises, falls)])
+            all_deltas = np.concatenate(
+                [np.array(deltas, dtype=np.int64), np.ones(len(rises), dtype=np.int64),
+                 np.full(len(falls), -1, dtype=np.int64)]
+            )  # fmt: skip
+            runs = step_runs(all_times, all_deltas, self.interval_s)
             for start, end, peak in runs:
                 out.append(
                     EventRecord(

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary, Verdict
 from btb_lab.results import (
     MANIFEST,
+    RECORD_SINKS,
+    ArrowRecordSink,
     JsonlRecordSink,
     Manifest,
     RunEntry,
@@ -641,9 +643,9 @@ def _run_one(
     )  # fmt: skip
     manifest.runs.append(entry)
     manifest.save(run_dir)
-    sink: JsonlRecordSink | None = None
+    sink: JsonlRecordSink | ArrowRecordSink | None = None
     try:
-        sink = JsonlRecordSink(run_dir, name, repeat)
+        sink = RECORD_SINKS[getattr(backend, "record_format", "jsonl")](run_dir, name, repeat)
         resolved, costs = world
         ctx = RunContext(
             hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,

@@ -11,6 +11,8 @@ from btb_lab.results.manifest import (
     stored_runs,
 )
 from btb_lab.results.store import (
+    RECORD_SINKS,
+    ArrowRecordSink,
     JsonlRecordSink,
     finalize_parquet,
     new_run_dir,
@@ -27,6 +29,8 @@ from btb_lab.results.store import (
 
 __all__ = [
     "MANIFEST",
+    "RECORD_SINKS",
+    "ArrowRecordSink",
     "JsonlRecordSink",
     "Manifest",
     "RunEntry",

@@ -1,7 +1,8 @@
 """The results directory: layout, the durable record sink, parquet conversion.
 
-Backends stream finished records into JSONL parts (flushed on every write, so Ctrl-C or
-a crash loses nothing finished); the runner converts the parts to `requests.parquet`
+Backends stream finished records into parts (flushed on every write, so Ctrl-C or a
+crash loses nothing finished): the simulator into Arrow IPC streams, the cluster into
+JSONL that can be read while its servers run; the runner converts the parts to `requests.parquet`
 (raw stamps plus the latencies derived from them), `utilization.parquet` and
 `events.parquet` at the end,
 writing each to a temporary file renamed into place, and readers fall back to the parts
@@ -19,7 +20,7 @@ import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 import pandas as pd
 
@@ -36,6 +37,8 @@ from btb_lab.records import (
 )
 
 __all__ = [
+    "RECORD_SINKS",
+    "ArrowRecordSink",
     "JsonlRecordSink",
     "finalize_parquet",
     "new_run_dir",
@@ -52,6 +55,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"  # results.manifest.Manifest reads and writes it
 PARTS_DIR = "parts"
+ARROW_PART = ".arrows"  # an Arrow IPC stream (ArrowRecordSink); the other parts are JSONL
 _FLOAT_COLUMNS = (
     "arrival_s", "sent_s", "first_token_s", "finish_s", "queue_s", "kv_load_s",
     "kv_transfer_s", "prefill_s", "decode_s",
@@ -114,10 +118,10 @@ def write_json(path: Path, data: Any) -> None:
     write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def _part_name(variant: str, repeat: int, kind: str) -> str:
+def _part_name(variant: str, repeat: int, kind: str, suffix: str = ".jsonl") -> str:
     digest = hashlib.blake2b(variant.encode(), digest_size=4).hexdigest()
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in variant)[:40]
-    return f"{kind}-{safe}-{digest}-r{repeat:03d}.jsonl"
+    return f"{kind}-{safe}-{digest}-r{repeat:03d}{suffix}"
 
 
 _RECORD_VALUES = operator.attrgetter(*("klass" if c == "class" else c for c in RECORD_COLUMNS))
@@ -154,14 +158,72 @@ class JsonlRecordSink:
     def close(self) -> None:
         """Flush and fsync; the file is closed even when that fails (a full disk)."""
         fh, self._fh = self._fh, None
+        if fh is not None:
+            _close_durably(fh)
+
+
+def _close_durably(fh: IO[Any]) -> None:
+    try:
+        fh.flush()
+        os.fsync(fh.fileno())
+    finally:
+        with contextlib.suppress(OSError):  # the flush above raised the same error
+            fh.close()
+
+
+class ArrowRecordSink:
+    """RecordSink writing one Arrow IPC stream part per variant × repeat (the simulator's):
+    a record batch per `write`, flushed to the OS before returning. Turning a record's
+    floats into JSON text cost more than simulating the request; a batch is binary, and
+    the parquet conversion reads it back without parsing. A crash mid-write leaves the
+    batches before it readable (`_read_arrow_part`)."""
+
+    def __init__(self, run_dir: Path, variant: str, repeat: int) -> None:
+        import pyarrow as pa
+
+        parts = run_dir / PARTS_DIR
+        parts.mkdir(parents=True, exist_ok=True)
+        self.path = parts / _part_name(variant, repeat, "requests", ARROW_PART)
+        self.count = 0
+        self._schema = _part_schema(_PART_TYPES["requests"])
+        # appending after an earlier stream (`_read_arrow_part` reads them in turn)
+        self._fh: IO[bytes] | None = self.path.open("ab")
+        self._writer: Any = pa.ipc.new_stream(self._fh, self._schema)
+
+    def write(self, records: Iterable[RequestRecord]) -> None:
+        if self._fh is None:
+            raise RuntimeError("write to a closed record sink")
+        import pyarrow as pa
+
+        batch = list(records)
+        if not batch:
+            return
+        columns: list[Any] = list(zip(*map(_RECORD_VALUES, batch), strict=True))
+        columns.append([json.dumps(r.extra, sort_keys=True) if r.extra else None for r in batch])
+        arrays = [
+            pa.array(values, type=field.type)
+            for values, field in zip(columns, self._schema, strict=True)
+        ]
+        self._writer.write_batch(pa.record_batch(arrays, schema=self._schema))
+        self._fh.flush()
+        self.count += len(batch)
+
+    def close(self) -> None:
+        """End the stream, flush and fsync; the file is closed even when that fails."""
+        fh, self._fh = self._fh, None
         if fh is None:
             return
         try:
-            fh.flush()
-            os.fsync(fh.fileno())
+            self._writer.close()
         finally:
-            with contextlib.suppress(OSError):  # the flush above raised the same error
-                fh.close()
+            _close_durably(fh)
+
+
+# a backend's `record_format` -> the sink its records go to
+RECORD_SINKS: dict[str, type[JsonlRecordSink] | type[ArrowRecordSink]] = {
+    "jsonl": JsonlRecordSink,
+    "arrow": ArrowRecordSink,
+}
 
 
 def write_utilization_part(
@@ -206,12 +268,23 @@ def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]] | dict[str, li
     """The rows of every `kind` part in order: as columns when pyarrow reads every part
     with the column types below, else as one dict per line (stopping a part at a line cut
     short by a crash). Either goes straight into `pd.DataFrame(..., columns=...)`."""
-    parts = sorted((run_dir / PARTS_DIR).glob(f"{kind}-*.jsonl"))
-    columns = _read_parts_columnar(parts, _PART_TYPES[kind]) if parts else None
+    folder = run_dir / PARTS_DIR
+    parts = sorted([*folder.glob(f"{kind}-*.jsonl"), *folder.glob(f"{kind}-*{ARROW_PART}")])
+    if parts and all(p.suffix == ARROW_PART for p in parts):
+        return _read_arrow_parts(parts, _PART_TYPES[kind])
+    mixed = any(p.suffix == ARROW_PART for p in parts)
+    columns = _read_parts_columnar(parts, _PART_TYPES[kind]) if parts and not mixed else None
     if columns is not None:
         return columns
     rows: list[dict[str, Any]] = []
     for part in parts:
+        if part.suffix == ARROW_PART:  # beside JSONL parts (a directory older versions began)
+            arrow = _read_arrow_parts([part], _PART_TYPES[kind])
+            rows.extend(
+                dict(zip(arrow, values, strict=True))
+                for values in zip(*arrow.values(), strict=True)
+            )
+            continue
         with part.open(encoding="utf-8") as fh:
             for line in fh:
                 line = line.strip()
@@ -248,8 +321,7 @@ def _read_parts_columnar(parts: list[Path], types: dict[str, str]) -> dict[str, 
     import pyarrow as pa
     import pyarrow.json as pj
 
-    kinds = {"float": pa.float64(), "int": pa.int64(), "bool": pa.bool_(), "str": pa.string()}
-    schema = pa.schema([(name, kinds[kind]) for name, kind in types.items()])
+    schema = _part_schema(types)
     options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     columns: dict[str, list[Any]] = {name: [] for name in types}
     for part in parts:
@@ -260,6 +332,44 @@ def _read_parts_columnar(parts: list[Path], types: dict[str, str]) -> dict[str, 
         for name, values in columns.items():
             values.extend(table.column(name).to_pylist())
     return columns
+
+
+def _part_schema(types: dict[str, str]) -> Any:
+    import pyarrow as pa
+
+    kinds = {"float": pa.float64(), "int": pa.int64(), "bool": pa.bool_(), "str": pa.string()}
+    return pa.schema([(name, kinds[kind]) for name, kind in types.items()])
+
+
+def _read_arrow_parts(parts: list[Path], types: dict[str, str]) -> dict[str, list[Any]]:
+    """Each column of the Arrow parts, as `_read_parts_columnar` gives it."""
+    columns: dict[str, list[Any]] = {name: [] for name in types}
+    for part in parts:
+        for batch in _read_arrow_part(part):
+            for name, values in columns.items():
+                values.extend(batch.column(name).to_pylist())
+    return columns
+
+
+def _read_arrow_part(path: Path) -> list[Any]:
+    """The record batches of one Arrow part: its streams one after another, up to a batch
+    cut short by a crash (everything before it is intact)."""
+    import pyarrow as pa
+
+    batches: list[Any] = []
+    with pa.OSFile(str(path)) as fh:
+        size = fh.size()
+        while fh.tell() < size:
+            try:
+                reader = pa.ipc.open_stream(fh)
+                while True:
+                    try:
+                        batches.append(reader.read_next_batch())
+                    except StopIteration:
+                        break
+            except (pa.ArrowInvalid, OSError):
+                break
+    return batches
 
 
 def _typed_records(

@@ -232,6 +232,8 @@ class SimBackend:
     """Backend "sim": the embedded discrete-event simulator."""
 
     name = "sim"
+    # binary parts: JSON text of the records' floats cost more than simulating them
+    record_format = "arrow"
 
     def run_variant(self, ctx: RunContext, requests: list[Request]) -> BackendResult:
         hyp = ctx.hypothesis

@@ -76,8 +76,7 @@ __all__ = [
 ]
 
 # Event priorities at equal times: KV arrivals first (they can unblock admissions), then
-# completions, then arrivals, so a router always sees the state after everything that
-# happened at that instant.
+# completions, then arrivals: a router sees the state after all else at that instant.
 PRI_TRANSFER = 0
 PRI_PARK = 1
 PRI_PREFILL = 2
@@ -117,9 +116,13 @@ class Scheduler:
         self.variant = variant
         self.repeat = repeat
         self.audit = audit
-        # what happened over time (queue and batch per instance, warm copies, KV
-        # transfers); None records nothing, at the cost of one test per change
+        # what happened over time (queue and batch per instance, warm copies, KV transfers;
+        # None: nothing, at one test per change) and each instance's counter appenders
         self.events = events
+        if events is not None:
+            names = [spec.name for spec in instances]
+            self.waiting_up, self.waiting_down = events.counters(names, "waiting")
+            self.running_up, self.running_down = events.counters(names, "running")
         self.after_prefill = settings.kv_visibility == "after_prefill"
         self.view_routed = settings.router_view == "routed"
         self.reusable = settings.transferred_kv_reusable
@@ -183,7 +186,7 @@ class Scheduler:
             inst.waiting.append(job)
         inst.load.waiting += 1
         if self.events is not None:
-            self.events.change(inst.name, "waiting", self.now, 1)
+            self.waiting_up[inst.index](self.now)
         if self.batch_admit:
             self._kick(inst)
             return
@@ -237,7 +240,7 @@ class Scheduler:
                 waiting.popleft()
                 inst.load.waiting -= 1
                 if self.events is not None:
-                    self.events.change(inst.name, "waiting", now, -1)
+                    self.waiting_down[inst.index](now)
                 self._fail(inst, job, f"needs {job.need} KV tokens; {inst.name} holds {cap}")
                 continue
             if not self._admissible(inst, job):
@@ -245,7 +248,7 @@ class Scheduler:
             waiting.popleft()
             inst.load.waiting -= 1
             if self.events is not None:
-                self.events.change(inst.name, "waiting", now, -1)
+                self.waiting_down[inst.index](now)
             if isinstance(job, KVJob):
                 self._admit_kv(inst, job)
                 continue
@@ -318,7 +321,7 @@ class Scheduler:
                 waiting.popleft()
                 inst.load.waiting -= 1
                 if self.events is not None:
-                    self.events.change(inst.name, "waiting", now, -1)
+                    self.waiting_down[inst.index](now)
                 self._fail(inst, job, f"needs {job.need} KV tokens; {inst.name} holds {cap}")
                 continue
             if not self._admissible(inst, job):
@@ -326,7 +329,7 @@ class Scheduler:
             waiting.popleft()
             inst.load.waiting -= 1
             if self.events is not None:
-                self.events.change(inst.name, "waiting", now, -1)
+                self.waiting_down[inst.index](now)
             if isinstance(job, KVJob):
                 self._admit_kv(inst, job)
                 continue
@@ -408,15 +411,14 @@ class Scheduler:
                     job.park_s = now
                     inst.load.waiting += 1  # a parked job still waits
                     if self.events is not None:
-                        self.events.change(inst.name, "waiting", now, 1)
+                        self.waiting_up[inst.index](now)
                     self.stats["parked_for_warm"] += 1
                     self._push(ready, PRI_PARK, EV_PARK, inst.index, job)
                     return False
             if n_use and self.after_prefill:
-                # touch / promote the blocks this prefill reuses (at_admission inserts
-                # the whole prompt below, which touches them too); with sharing they are
-                # pinned below, where their order in the LRU no longer matters (a warm
-                # copy's prefill pins nothing)
+                # touch / promote the blocks this prefill reuses (at_admission inserts the
+                # whole prompt below, which touches them too); with sharing they are pinned
+                # below, where their LRU order no longer matters (a warm copy pins nothing)
                 if not self.sharing or isinstance(job, WarmJob):
                     cache.touch(hashes, n_use)
                 elif n_use > n_hbm_lead:
@@ -437,7 +439,7 @@ class Scheduler:
             inst.n_seqs += 1
             inst.load.running += 1
             if self.events is not None:
-                self.events.change(inst.name, "running", now, 1)
+                self.running_up[inst.index](now)
             rec = job.rec
             rec.queue_s += now - job.enq_s
             rec.cached_tokens = cached
@@ -505,7 +507,7 @@ class Scheduler:
         inst.n_seqs += 1
         inst.load.running += 1
         if self.events is not None:
-            self.events.change(inst.name, "running", now, 1)
+            self.running_up[inst.index](now)
         hashes = job.hashes
         if self.reusable and hashes:
             if self.sharing:
@@ -565,7 +567,7 @@ class Scheduler:
         inst.n_seqs -= 1
         inst.load.running -= 1
         if self.events is not None:
-            self.events.change(inst.name, "running", now, -1)
+            self.running_down[inst.index](now)
         inst.cache.reserved -= job.need
         if job.n_pin:
             inst.cache.unpin(job.hashes, job.n_pin)

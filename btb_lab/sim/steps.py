@@ -189,7 +189,7 @@ class MixedSteps(CacheActions):
         inst.waiting.popleft()
         inst.load.waiting -= 1
         if self.events is not None:
-            self.events.change(inst.name, "waiting", self.now, -1)
+            self.waiting_down[inst.index](self.now)
 
     def _run_batch(self, inst: InstanceState, batch: PrefillBatch) -> float:
         """Run `batch`'s next steps as one segment, up to its end or the next finishing

@@ -89,7 +89,7 @@ class Transfers(Scheduler):
         pinst.n_seqs -= 1
         pinst.load.running -= 1
         if self.events is not None:
-            self.events.change(pinst.name, "running", now, -1)
+            self.running_down[pinst.index](now)
         pinst.load.outstanding_tokens -= req.input_tokens
         dinst = self.insts[job.decode_inst]
         dur = self.setup_s + self.costs.kv_move_s(req.input_tokens, pinst.index, dinst.index)

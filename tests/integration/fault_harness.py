@@ -49,26 +49,32 @@ def main() -> None:
     if hasattr(sim_backend, "_WRITE_BATCH"):
         sim_backend._WRITE_BATCH = 100
 
-    sink_init = store.JsonlRecordSink.__init__
-    sink_write = store.JsonlRecordSink.write
     sinks = [0]
 
-    def init(self: Any, run_dir: Path, variant: str, repeat: int) -> None:
-        sinks[0] += 1
-        if point == "between" and sinks[0] == 2:
-            stop()
-        if point.startswith("point:") and Path(run_dir).name == point.split(":", 1)[1]:
-            stop()
-        sink_init(self, run_dir, variant, repeat)
+    def patch(sink_cls: Any) -> None:
+        sink_init, sink_write = sink_cls.__init__, sink_cls.write
 
-    def write(self: Any, records: Any) -> None:
-        sink_write(self, records)
-        written[0] = self.count if sinks[0] == 1 else written[0]
-        if point.startswith("records:") and sinks[0] == 1 and self.count >= int(point[8:]):
-            stop()
+        def init(self: Any, run_dir: Path, variant: str, repeat: int) -> None:
+            sinks[0] += 1
+            if point == "between" and sinks[0] == 2:
+                stop()
+            if point.startswith("point:") and Path(run_dir).name == point.split(":", 1)[1]:
+                stop()
+            sink_init(self, run_dir, variant, repeat)
 
-    store.JsonlRecordSink.__init__ = init  # type: ignore[method-assign]
-    store.JsonlRecordSink.write = write  # type: ignore[method-assign]
+        def write(self: Any, records: Any) -> None:
+            sink_write(self, records)
+            written[0] = self.count if sinks[0] == 1 else written[0]
+            if point.startswith("records:") and sinks[0] == 1 and self.count >= int(point[8:]):
+                stop()
+
+        sink_cls.__init__ = init
+        sink_cls.write = write
+
+    # the JSONL parts, and the simulator's Arrow parts where this checkout has them
+    for name in ("JsonlRecordSink", "ArrowRecordSink"):
+        if hasattr(store, name):
+            patch(getattr(store, name))
 
     if point == "manifest":
         from btb_lab.results import manifest

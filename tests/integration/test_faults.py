@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from btb_lab.results import store
 from tests.helpers import cli, python_env, write_small
 
 HARNESS = Path(__file__).with_name("fault_harness.py")
@@ -56,9 +57,10 @@ def stop_at(point: str, sig: signal.Signals, *args: str | Path, tmp_path: Path):
 
 
 def parts_records(run_dir: Path) -> int:
-    return sum(
-        1 for p in (run_dir / "parts").glob("requests-*.jsonl") for line in p.open() if line.strip()
-    )
+    """Records readable from the run's request parts (the simulator's Arrow parts)."""
+    assert not list((run_dir / "parts").glob("requests-*.jsonl"))
+    rows = store._read_parts(run_dir, "requests")
+    return len(rows["request_id"]) if isinstance(rows, dict) else len(rows)
 
 
 def manifest(run_dir: Path) -> dict:
@@ -185,16 +187,15 @@ def test_sigterm_stops_the_points_a_parallel_sweep_is_running(tmp_path: Path) ->
 def test_disk_full_injected_exits_2_and_leaves_an_explained_directory(
     tmp_path: Path, monkeypatch
 ) -> None:
-    import btb_lab.results.store as store
 
-    write = store.JsonlRecordSink.write
+    write = store.ArrowRecordSink.write
 
     def full(self, records):  # the second write meets a full disk
         if self.count:
             raise OSError(errno.ENOSPC, "No space left on device")
         write(self, records)
 
-    monkeypatch.setattr(store.JsonlRecordSink, "write", full)
+    monkeypatch.setattr(store.ArrowRecordSink, "write", full)
     monkeypatch.setattr("btb_lab.sim.backend._WRITE_BATCH", 100)
     hyp = write_small(tmp_path, **BIG)
     result = cli("run", hyp, "--no-progress", "--out", tmp_path / "run")

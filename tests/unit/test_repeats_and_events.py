@@ -49,6 +49,33 @@ def test_event_log_turns_counter_changes_into_runs() -> None:
     assert (copy.instance, copy.peer, copy.end_s, copy.origin) == ("C1", "C0", 3.1, "engine")
 
 
+def test_counter_appenders_give_the_runs_change_gives() -> None:
+    """The engine's rise/fall appenders and `change` build the same runs, mixed or not,
+    whatever order the changes at one instant come in."""
+    rng = np.random.default_rng(3)
+    times = np.round(rng.uniform(0, 20, 400), 1).tolist()  # many changes share an instant
+    deltas = [1 if i % 3 else -1 for i in range(400)]
+    by_change = EventLog("engine")
+    by_counter = EventLog("engine")
+    mixed = EventLog("engine")
+    rise, fall = by_counter.counter("C0", "running")
+    mixed_rise, mixed_fall = mixed.counter("C0", "running")
+    for i, (t, d) in enumerate(zip(times, deltas, strict=True)):
+        by_change.change("C0", "running", t, d)
+        (rise if d > 0 else fall)(t)
+        if i % 2:
+            mixed.change("C0", "running", t, d)
+        else:
+            (mixed_rise if d > 0 else mixed_fall)(t)
+    expected = by_change.records()
+    assert len(expected) > 10
+    assert by_counter.records() == expected
+    assert mixed.records() == expected
+    idle = EventLog("engine")
+    idle.counter("C1", "waiting")  # a counter that never moves stores nothing
+    assert idle.records() == []
+
+
 def test_events_round_trip_through_parts_and_parquet(tmp_path: Path) -> None:
     events = [
         EventRecord(time_s=2.0, kind="burst_detected", label="ab", value=2, origin="policy"),

@@ -1,7 +1,9 @@
-"""The results store: durable JSONL parts, parquet conversion, run-dir resolution."""
+"""The results store: durable JSONL and Arrow parts, parquet conversion, run-dir
+resolution."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from btb_lab.errors import UserError
 from btb_lab.records import RECORD_COLUMNS, STORED_COLUMNS, RequestRecord, UtilSample
 from btb_lab.results import (
+    ArrowRecordSink,
     JsonlRecordSink,
     Manifest,
     finalize_parquet,
@@ -28,8 +31,15 @@ def rec(i: int, variant: str = "v") -> RequestRecord:
     )  # fmt: skip
 
 
-def test_sink_flushes_every_write_and_parquet_has_record_columns(tmp_path: Path) -> None:
-    sink = JsonlRecordSink(tmp_path, "v", 0)
+SINKS = [JsonlRecordSink, ArrowRecordSink]
+Sink = type[JsonlRecordSink] | type[ArrowRecordSink]
+
+
+@pytest.mark.parametrize("sink_cls", SINKS)
+def test_sink_flushes_every_write_and_parquet_has_record_columns(
+    tmp_path: Path, sink_cls: Sink
+) -> None:
+    sink = sink_cls(tmp_path, "v", 0)
     sink.write([rec(0), rec(1)])
     # readable before close: a crash now loses nothing already written
     assert len(read_records(tmp_path)) == 2
@@ -58,9 +68,59 @@ def test_truncated_last_line_is_skipped(tmp_path: Path) -> None:
     assert read_records(tmp_path)["request_id"].tolist() == ["r0"]
 
 
-def test_variant_order_is_kept(tmp_path: Path) -> None:
+def test_a_cut_arrow_part_keeps_the_batches_before_the_cut(tmp_path: Path) -> None:
+    sink = ArrowRecordSink(tmp_path, "v", 0)
+    sink.write([rec(0), rec(1)])
+    sink.write([rec(2)])
+    sink.close()
+    again = ArrowRecordSink(tmp_path, "v", 0)  # a second stream appended to the part
+    again.write([rec(3)])
+    again.close()
+    assert read_records(tmp_path)["request_id"].tolist() == ["r0", "r1", "r2", "r3"]
+    data = sink.path.read_bytes()
+    sink.path.write_bytes(data[:-12])  # the last batch cut short by a crash
+    assert read_records(tmp_path)["request_id"].tolist() == ["r0", "r1", "r2"]
+    # a kill before the stream's end marker: every batch flushed is there
+    open_sink = ArrowRecordSink(tmp_path, "w", 0)
+    open_sink.write([rec(7, "w")])
+    assert read_records(tmp_path)["request_id"].tolist() == ["r0", "r1", "r2", "r7"]
+
+
+def test_arrow_and_jsonl_parts_store_the_same_parquet(tmp_path: Path) -> None:
+    """The simulator's binary parts are a faster way to the same stored records."""
+    odd = [rec(i) for i in range(5)]
+    odd[1].first_token_s = odd[1].finish_s = None  # a failed request
+    odd[1].ok, odd[1].error, odd[1].klass, odd[1].extra = False, 'refused: "x"\n', None, {}
+    odd[2].queue_s = math.nan
+    odd[3].arrival_s = 3  # an int in a float column
+    odd[4].session_id, odd[4].turn, odd[4].extra = "s/é", 2, {"b": [1, 2], "a": None}
+    stored = []
+    for sink_cls in SINKS:
+        run_dir = tmp_path / sink_cls.__name__
+        for variant in ("b", "a"):
+            sink = sink_cls(run_dir, variant, 0)
+            sink.write(odd[:2])
+            sink.write(odd[2:])
+            sink.close()
+        finalize_parquet(run_dir, ["b", "a"])
+        stored.append((run_dir / "requests.parquet").read_bytes())
+    assert stored[0] == stored[1]
+
+
+def test_jsonl_and_arrow_parts_side_by_side_are_both_read(tmp_path: Path) -> None:
+    for sink_cls, name in ((JsonlRecordSink, "a"), (ArrowRecordSink, "b")):
+        sink = sink_cls(tmp_path, name, 0)
+        sink.write([rec(0, name), rec(1, name)])
+        sink.close()
+    frame = read_records(tmp_path, ["b", "a"])
+    assert frame["variant"].tolist() == ["b", "b", "a", "a"]
+    assert frame["extra"].tolist() == ['{"k": 1}'] * 4
+
+
+@pytest.mark.parametrize("sink_cls", SINKS)
+def test_variant_order_is_kept(tmp_path: Path, sink_cls: Sink) -> None:
     for name in ("zeta", "alpha"):
-        sink = JsonlRecordSink(tmp_path, name, 0)
+        sink = sink_cls(tmp_path, name, 0)
         sink.write([rec(0, name)])
         sink.close()
     finalize_parquet(tmp_path, ["zeta", "alpha"])

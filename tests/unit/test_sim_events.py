@@ -3,6 +3,7 @@ recompute) and offloaded KV transfers, each at the simulated time it happened.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 
 import pytest
@@ -26,6 +27,21 @@ class Recorder(EventLog):
     def change(self, instance: str, kind: str, time_s: float, delta: int) -> None:
         self.calls.append((instance, kind, time_s, delta))
         super().change(instance, kind, time_s, delta)
+
+    def counter(
+        self, instance: str, kind: str
+    ) -> tuple[Callable[[float], None], Callable[[float], None]]:
+        rise, fall = super().counter(instance, kind)
+
+        def up(time_s: float) -> None:
+            self.calls.append((instance, kind, time_s, 1))
+            rise(time_s)
+
+        def down(time_s: float) -> None:
+            self.calls.append((instance, kind, time_s, -1))
+            fall(time_s)
+
+        return up, down
 
 
 def run(
