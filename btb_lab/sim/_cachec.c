@@ -949,6 +949,14 @@ typedef struct {
     Table t;
     List lru;
     long long cap_blocks;
+    /* the last `lead` walk: its tuple (owned), its answer, the entry of its last block
+     * held, and `version` then. A burst's requests ask every instance about the same
+     * prefix; while an instance's blocks stay the same, comparing the items by identity
+     * with the last walk's answers without probing the table block by block. */
+    PyObject *memo;
+    Py_ssize_t memo_n;
+    int32_t memo_cur;
+    uint64_t memo_version, version; /* `version`: bumped when a block is added or dropped */
 } Routed;
 
 static int routed_init(Routed *self, PyObject *args, PyObject *kw) {
@@ -959,39 +967,95 @@ static int routed_init(Routed *self, PyObject *args, PyObject *kw) {
     self->cap_blocks = cap;
     self->lru.head = self->lru.tail = NONE_I;
     self->lru.n = 0;
+    Py_CLEAR(self->memo);
+    self->version++;
     return 0;
 }
 
 static void routed_dealloc(Routed *self) {
+    Py_CLEAR(self->memo);
     table_free(&self->t);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Entry `i` (in no list) into `l` right after entry `a`. */
+static inline void link_after(Table *t, List *l, int32_t a, int32_t i) {
+    Entry *ea = &t->e[a], *ei = &t->e[i];
+    ei->hprev = a;
+    ei->hnext = ea->hnext;
+    if (ea->hnext != NONE_I) t->e[ea->hnext].hprev = i;
+    else l->tail = i;
+    ea->hnext = i;
+    l->n++;
+}
+
+/* Moving each noted block to the newest end in turn leaves them there in the order of
+ * their last occurrence, the other blocks in their order before. The same order is built
+ * here as one run of the list: the blocks noted so far (`first`..`last`), each next one
+ * moved right after `last` unless it is there already, then the run moved to the newest
+ * end at once. A prefix noted again, as in a burst, is already such a run: nothing moves
+ * but its new blocks. */
 static PyObject *routed_note(Routed *r, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &r->t;
-    int32_t cur = NONE_I;
+    List *l = &r->lru;
+    int32_t cur = NONE_I, first = NONE_I, last = NONE_I;
+    int changed = 0;
     for (Py_ssize_t k = 0; k < s.len; k++) {
+        int32_t live = t->n_live;
         int32_t i = walk(t, s.items[k], &cur, 1);
         if (i < 0) goto fail;
-        if (t->e[i].flags & F_HBM) {
-            UNLINK(t, i, hprev, hnext, &r->lru);
-        } else {
-            t->e[i].flags |= F_HBM;
+        Entry *e = &t->e[i];
+        if (t->n_live != live) { /* a new block */
+            changed = 1;
+            e->flags |= F_HBM;
+            if (last == NONE_I) {
+                LINK(t, i, hprev, hnext, l);
+                first = i;
+            } else {
+                link_after(t, l, last, i);
+            }
+            last = i;
+            continue;
         }
-        LINK(t, i, hprev, hnext, &r->lru);
+        if (last == NONE_I) { /* the run starts where the first block is */
+            first = last = i;
+            continue;
+        }
+        if (i == last || e->hprev == last) { /* the same block again, or the next already */
+            last = i;
+            continue;
+        }
+        if (i == first) first = e->hnext; /* it leaves the run's start for its end */
+        UNLINK(t, i, hprev, hnext, l);
+        link_after(t, l, last, i);
+        last = i;
     }
     seq_close(&s);
+    if (last != NONE_I && last != l->tail) { /* the run to the newest end */
+        Entry *ef = &t->e[first], *el = &t->e[last];
+        int32_t before = ef->hprev, after = el->hnext;
+        if (before != NONE_I) t->e[before].hnext = after;
+        else l->head = after;
+        t->e[after].hprev = before;
+        ef->hprev = l->tail;
+        t->e[l->tail].hnext = first;
+        el->hnext = NONE_I;
+        l->tail = last;
+    }
     while (r->lru.n > r->cap_blocks) {
         int32_t old = r->lru.head;
         UNLINK(t, old, hprev, hnext, &r->lru);
         t->e[old].flags = 0;
         table_release(t, old);
+        changed = 1;
     }
+    r->version += changed;
     Py_RETURN_NONE;
 fail:
     seq_close(&s);
+    r->version++; /* blocks may have been added before the error */
     return NULL;
 }
 
@@ -999,11 +1063,35 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
     Py_ssize_t n = 0;
-    int32_t cur = NONE_I;
+    int32_t cur = NONE_I, held = NONE_I;
+    if (r->memo != NULL && r->memo_version == r->version) {
+        PyObject **a = s.items, **b = &PyTuple_GET_ITEM(r->memo, 0);
+        Py_ssize_t m = Py_MIN(s.len, PyTuple_GET_SIZE(r->memo)), same = 0;
+        while (same < m && a[same] == b[same]) same++;
+        if (r->memo_n < same || (same == s.len && r->memo_n >= same)) {
+            /* the block the last walk stopped at is asked again and still absent, or
+             * every block asked was held then and still is */
+            Py_ssize_t answer = Py_MIN(r->memo_n, s.len);
+            seq_close(&s);
+            return PyLong_FromSsize_t(answer);
+        }
+        if (r->memo_n == same) { /* go on from where the last walk stopped */
+            n = same;
+            cur = held = r->memo_cur;
+        }
+    }
     for (; n < s.len; n++) {
         int32_t i = walk(&r->t, s.items[n], &cur, 0);
         if (i == -2) goto fail;
         if (i == NONE_I) break;
+        held = i;
+    }
+    if (PyTuple_CheckExact(obj)) { /* only a tuple: its items cannot change under the memo */
+        Py_INCREF(obj);
+        Py_XSETREF(r->memo, obj);
+        r->memo_n = n;
+        r->memo_cur = held;
+        r->memo_version = r->version;
     }
     seq_close(&s);
     return PyLong_FromSsize_t(n);

@@ -283,11 +283,17 @@ def job_kinds(batch: pa.RecordBatch, name: str = "metadata") -> list[str | None]
 
 
 def block_id_tuples(
-    batch: pa.RecordBatch, input_tokens: list[int], block_tokens: int, name: str = "hash_ids"
+    batch: pa.RecordBatch,
+    input_tokens: list[int],
+    block_tokens: int,
+    name: str = "hash_ids",
+    interned: dict[int, int] | None = None,
 ) -> list[tuple[int, ...]]:
     """Each row's block ids as a tuple. Each distinct id of the batch is converted once
     (strings hashed as `block_id` hashes them) and is one int object that all its
-    occurrences in the batch share."""
+    occurrences share: in the batch, and with `interned` (one dict for the whole file)
+    in every batch, so the simulator's caches match a burst's shared prefix by identity
+    instead of hashing and comparing each block."""
     lists = batch.column(name)
     _no_nulls(lists, name)
     offsets = lists.offsets.to_numpy()
@@ -301,7 +307,10 @@ def block_id_tuples(
     encoded = pc.dictionary_encode(values)
     distinct = encoded.dictionary.to_pylist()
     ids = np.empty(len(distinct), dtype=object)
-    ids[:] = stable_hashes63(distinct) if pa.types.is_string(values.type) else distinct
+    converted = stable_hashes63(distinct) if pa.types.is_string(values.type) else distinct
+    if interned is not None:
+        converted = [interned.setdefault(v, v) for v in converted]
+    ids[:] = converted
     flat = tuple(ids[encoded.indices.to_numpy(zero_copy_only=False)].tolist())
     bounds = (offsets - offsets[0]).tolist()
     return [flat[a:b] for a, b in pairwise(bounds)]

@@ -287,11 +287,12 @@ def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]
     schema = col.schema(fields, col.id_type(path, allow_str=False))
     out: list[Request] = []
     last_ms = -math.inf
+    interned: dict[int, int] = {}  # block id -> its one object in the file
     for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         line_no = len(out)
@@ -402,6 +403,7 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
     seen_ids: set[str] = set()
     session_turns = _SessionTurns()
     out: list[Request] = []
+    interned: dict[int, int] = {}  # block id -> its one object in the file
     for batch, null_turn_written in col.read_batches(path, schema):
         arrivals = col.required_times(batch, "arrival_s")
         trace_ids = col.required_text(batch, "trace_id")
@@ -411,7 +413,7 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
         request_ids = col.required_text(batch, "request_id")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
         sessions = col.optional_text(batch, "session_id")
         groups = col.optional_text(batch, "group_id")
         turns, has_turn = col.turns(batch, null_turn_written)
@@ -501,13 +503,14 @@ def _columnar_art_chat(col: Any, path: Path, block_tokens: int) -> list[Request]
     seen_ids: set[str] = set()
     out: list[Request] = []
     last_ms = -math.inf
+    interned: dict[int, int] = {}  # block id -> its one object in the file
     for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp_ms")
         request_ids = col.required_text(batch, "request_id")
         prompts = col.optional_text(batch, "system_prompt_hash")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         before = len(seen_ids)

@@ -247,3 +247,66 @@ def test_the_cache_answers_and_evolves_as_the_reordering_model(
     new.fit()
     ref.fit()
     assert new.snapshot() == ref.snapshot()
+
+
+class RoutedModel:
+    """`RoutedBlocks` as first written: every noted block moved to the newest end in turn."""
+
+    def __init__(self, cap_blocks: int) -> None:
+        self.cap_blocks = cap_blocks
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def note(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.cap_blocks:
+            self.blocks.popitem(last=False)
+
+    def lead(self, hashes: Sequence[int]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.blocks:
+            n += 1
+        return n
+
+
+@pytest.mark.parametrize("impl", implementations())
+@pytest.mark.parametrize("seed", range(40))
+def test_routed_blocks_answer_and_evict_as_the_lru_model(
+    seed: int, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts as tuples sharing their ids' objects (a trace's interned ids) and bursts
+    of one prefix, asked and noted in random turns: the compiled walk's shortcuts (the last
+    walk's answer, a prefix noted again moving as one run) never change an answer or the
+    order in which blocks age out."""
+    rng = random.Random(seed)
+    monkeypatch.setenv(cache_module.IMPL_ENV, impl)
+    assert cache_module.implementation()[0] == impl
+    cap = rng.randint(3, 20)
+    new, ref = cache_module.implementation()[2](cap), RoutedModel(cap)
+    pool = [tuple(p) for p in prompts(rng, 30)]
+    universe = sorted({h for p in pool for h in p})
+    q: Sequence[int] = ()
+    for step in range(400):
+        p = rng.choice(pool)
+        if rng.random() < 0.4:
+            if rng.random() < 0.15:  # blocks noted twice in one request
+                p = p + p[: rng.randint(1, len(p))] + p[-1:]
+            new.note(p)
+            ref.note(p)
+            if rng.random() < 0.3:  # which blocks are held (asking drops the last walk)
+                held = [h for h in universe if ref.lead((h,))]
+                assert [h for h in universe if new.lead((h,))] == held, f"{seed}, {step}"
+            continue
+        if rng.random() < 0.3:  # the last question again, blocks noted since or not
+            assert new.lead(q) == ref.lead(q), f"seed {seed}, step {step}"
+            continue
+        q = p[: rng.randint(0, len(p))] if rng.random() < 0.5 else p
+        kind = rng.random()
+        if kind < 0.15:
+            q = list(q)
+        elif kind < 0.3:  # equal ids in other objects
+            q = tuple(int(str(h)) for h in q)
+        elif kind < 0.4:  # a block that was never noted in the middle
+            q = (*q[:1], 10**9, *q[1:])
+        assert new.lead(q) == ref.lead(q), f"seed {seed}, step {step}"

@@ -307,3 +307,28 @@ def test_job_kind_is_read_alike_on_both_paths(
     assert took_fast is fast
     if fast:
         assert [r.job_kind for r in default[1]] == [None, kind, kind]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_id_is_one_object_across_the_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast: bool
+) -> None:
+    """A prefix shared by rows far apart (other read batches) is the same int objects in
+    each: the simulator's caches match a burst's blocks by identity."""
+    monkeypatch.setattr(columnar, "CHUNK_BYTES", 2048)  # many batches
+    path = tmp_path / "trace.jsonl"
+    prefix = [10**9 + i for i in range(8)]
+    rows = [
+        {"timestamp": 10 * n, "input_length": 5120, "output_length": 4,
+         "hash_ids": [*prefix, 2 * 10**9 + n]}
+        for n in range(300)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    paths = Paths(monkeypatch)
+    if not fast:
+        paths.row_only()
+    requests = formats.load_trace(path, "mooncake", block_tokens=512).requests
+    assert paths.fast == ([True] if fast else [])
+    first, last = requests[0].block_hashes, requests[-1].block_hashes
+    assert first[:8] == last[:8] == tuple(prefix)
+    assert all(a is b for a, b in zip(first[:8], last[:8], strict=True))
