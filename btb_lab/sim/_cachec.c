@@ -190,13 +190,30 @@ static void table_release(Table *t, int32_t i) {
  * equality: there is one entry per key) before probing the table. The hint is only ever
  * verified, never trusted: a released or reused entry fails the check. Moves
  * `*cur` to the result (NONE_I when absent); -2 with an exception set. */
-static inline int32_t walk(Table *t, PyObject *key, int32_t *cur, int create) {
+static int32_t walk_probe(Table *t, PyObject *key, int32_t *cur, int create, int32_t next);
+
+/* `walk` runs once per block of every cache operation: its hint check is compiled into
+ * each loop (forced: GCC left it a call), the probe stays out of line. */
+#if defined(__GNUC__) || defined(__clang__)
+#define HOT static inline __attribute__((always_inline))
+#define COLD static __attribute__((noinline))
+#else
+#define HOT static inline
+#define COLD static
+#endif
+
+HOT int32_t walk(Table *t, PyObject *key, int32_t *cur, int create) {
     int32_t prev = *cur;
     int32_t next = prev != NONE_I ? t->e[prev].after : NONE_I;
     if (next != NONE_I && t->e[next].key == key) {
         *cur = next;
         return next;
     }
+    return walk_probe(t, key, cur, create, next);
+}
+
+COLD int32_t walk_probe(Table *t, PyObject *key, int32_t *cur, int create, int32_t next) {
+    int32_t prev = *cur;
     Py_hash_t hash = PyObject_Hash(key);
     if (hash == -1) return -2;
     if (next != NONE_I && t->e[next].key != NULL && t->e[next].hash == hash) {
@@ -237,6 +254,62 @@ static inline int32_t walk(Table *t, PyObject *key, int32_t *cur, int create) {
         e_->P = e_->N = NONE_I;                                  \
         (l)->n--;                                                \
     } while (0)
+
+/* Moving blocks to the newest end one by one leaves them there in the order they were
+ * moved (a block moved twice where it was moved last), the others in their order before.
+ * A `Run` builds the same list: the blocks moved so far are kept as one stretch of it
+ * (`first`..`last`), each next one put right after `last` unless it is there already, and
+ * `run_to_newest` moves the stretch to the end at once. A prefix moved again, as a burst
+ * moves it request after request, is already such a stretch: nothing is relinked. Only
+ * the HBM list's links (hprev, hnext), which RoutedBlocks' LRU uses too. */
+typedef struct {
+    int32_t first, last;
+} Run;
+
+#define RUN_EMPTY {NONE_I, NONE_I}
+
+/* Entry `i` (in no list) into `l` right after entry `a`. */
+static inline void link_after(Table *t, List *l, int32_t a, int32_t i) {
+    Entry *ea = &t->e[a], *ei = &t->e[i];
+    ei->hprev = a;
+    ei->hnext = ea->hnext;
+    if (ea->hnext != NONE_I) t->e[ea->hnext].hprev = i;
+    else l->tail = i;
+    ea->hnext = i;
+    l->n++;
+}
+
+/* Entry `i`, in `l` (`linked`) or in no list, moved to the newest end (see Run). */
+static inline void run_move(Table *t, List *l, Run *r, int32_t i, int linked) {
+    if (!linked) {
+        if (r->last == NONE_I) {
+            LINK(t, i, hprev, hnext, l);
+            r->first = i;
+        } else {
+            link_after(t, l, r->last, i);
+        }
+    } else if (r->last == NONE_I) { /* the stretch starts where the first block is */
+        r->first = i;
+    } else if (i != r->last && t->e[i].hprev != r->last) {
+        if (i == r->first) r->first = t->e[i].hnext; /* from the stretch's start to its end */
+        UNLINK(t, i, hprev, hnext, l);
+        link_after(t, l, r->last, i);
+    }
+    r->last = i;
+}
+
+static inline void run_to_newest(Table *t, List *l, Run *r) {
+    if (r->last == NONE_I || r->last == l->tail) return;
+    Entry *ef = &t->e[r->first], *el = &t->e[r->last];
+    int32_t before = ef->hprev, after = el->hnext;
+    if (before != NONE_I) t->e[before].hnext = after;
+    else l->head = after;
+    t->e[after].hprev = before;
+    ef->hprev = l->tail;
+    t->e[l->tail].hnext = r->first;
+    el->hnext = NONE_I;
+    l->tail = r->last;
+}
 
 /* ------------------------------------------------------------------ arguments */
 typedef struct {
@@ -710,6 +783,7 @@ static PyObject *cache_unpin(Cache *c, PyObject *args) {
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &c->t;
     Py_ssize_t n0 = c->n_pins, hi = clamp(n, s.len);
+    Run run = RUN_EMPTY; /* released blocks become the most recent, in order */
     WALK;
     for (Py_ssize_t k = 0; k < hi; k++) {
         FIND(c, s.items[k], i, fail);
@@ -719,15 +793,16 @@ static PyObject *cache_unpin(Cache *c, PyObject *args) {
         }
         if (!--t->e[i].pins) {
             c->n_pins--;
-            UNLINK(t, i, hprev, hnext, &c->hbm);
-            LINK(t, i, hprev, hnext, &c->hbm);
+            run_move(t, &c->hbm, &run, i, 1);
         }
     }
     seq_close(&s);
+    run_to_newest(t, &c->hbm, &run);
     c->pinned_tokens -= (long long)(n0 - c->n_pins) * c->block_tokens;
     Py_RETURN_NONE;
 fail:
     seq_close(&s);
+    run_to_newest(t, &c->hbm, &run); /* those released before the error, as before */
     return NULL;
 }
 
@@ -978,72 +1053,27 @@ static void routed_dealloc(Routed *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Entry `i` (in no list) into `l` right after entry `a`. */
-static inline void link_after(Table *t, List *l, int32_t a, int32_t i) {
-    Entry *ea = &t->e[a], *ei = &t->e[i];
-    ei->hprev = a;
-    ei->hnext = ea->hnext;
-    if (ea->hnext != NONE_I) t->e[ea->hnext].hprev = i;
-    else l->tail = i;
-    ea->hnext = i;
-    l->n++;
-}
-
-/* Moving each noted block to the newest end in turn leaves them there in the order of
- * their last occurrence, the other blocks in their order before. The same order is built
- * here as one run of the list: the blocks noted so far (`first`..`last`), each next one
- * moved right after `last` unless it is there already, then the run moved to the newest
- * end at once. A prefix noted again, as in a burst, is already such a run: nothing moves
- * but its new blocks. */
+/* The noted blocks become the most recent in order (see Run), the oldest drop out. */
 static PyObject *routed_note(Routed *r, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
     Table *t = &r->t;
-    List *l = &r->lru;
-    int32_t cur = NONE_I, first = NONE_I, last = NONE_I;
+    int32_t cur = NONE_I;
+    Run run = RUN_EMPTY;
     int changed = 0;
     for (Py_ssize_t k = 0; k < s.len; k++) {
         int32_t live = t->n_live;
         int32_t i = walk(t, s.items[k], &cur, 1);
         if (i < 0) goto fail;
-        Entry *e = &t->e[i];
-        if (t->n_live != live) { /* a new block */
+        int linked = t->n_live == live;
+        if (!linked) { /* a new block */
             changed = 1;
-            e->flags |= F_HBM;
-            if (last == NONE_I) {
-                LINK(t, i, hprev, hnext, l);
-                first = i;
-            } else {
-                link_after(t, l, last, i);
-            }
-            last = i;
-            continue;
+            t->e[i].flags |= F_HBM;
         }
-        if (last == NONE_I) { /* the run starts where the first block is */
-            first = last = i;
-            continue;
-        }
-        if (i == last || e->hprev == last) { /* the same block again, or the next already */
-            last = i;
-            continue;
-        }
-        if (i == first) first = e->hnext; /* it leaves the run's start for its end */
-        UNLINK(t, i, hprev, hnext, l);
-        link_after(t, l, last, i);
-        last = i;
+        run_move(t, &r->lru, &run, i, linked);
     }
     seq_close(&s);
-    if (last != NONE_I && last != l->tail) { /* the run to the newest end */
-        Entry *ef = &t->e[first], *el = &t->e[last];
-        int32_t before = ef->hprev, after = el->hnext;
-        if (before != NONE_I) t->e[before].hnext = after;
-        else l->head = after;
-        t->e[after].hprev = before;
-        ef->hprev = l->tail;
-        t->e[l->tail].hnext = first;
-        el->hnext = NONE_I;
-        l->tail = last;
-    }
+    run_to_newest(t, &r->lru, &run);
     while (r->lru.n > r->cap_blocks) {
         int32_t old = r->lru.head;
         UNLINK(t, old, hprev, hnext, &r->lru);
@@ -1055,6 +1085,7 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
     Py_RETURN_NONE;
 fail:
     seq_close(&s);
+    run_to_newest(t, &r->lru, &run);
     r->version++; /* blocks may have been added before the error */
     return NULL;
 }
