@@ -2,11 +2,11 @@
 
 Backends stream finished records into parts (flushed on every write, so Ctrl-C or a
 crash loses nothing finished): the simulator into Arrow IPC streams, the cluster into
-JSONL that can be read while its servers run; the runner converts the parts to `requests.parquet`
-(raw stamps plus the latencies derived from them), `utilization.parquet` and
-`events.parquet` at the end,
-writing each to a temporary file renamed into place, and readers fall back to the parts
-when a run never got that far or a parquet file is unreadable.
+JSONL that can be read while its servers run. The runner converts the parts to
+`requests.parquet` (raw stamps plus the latencies derived from them),
+`utilization.parquet` and `events.parquet` at the end, writing each to a temporary file
+renamed into place, and readers fall back to the parts when a run never got that far or
+a parquet file is unreadable.
 """
 
 from __future__ import annotations
