@@ -488,7 +488,7 @@ def _finish(
         finalize_parquet(run_dir, plan.variants)
     except KeyboardInterrupt as exc:  # the parts hold every record; readers use them
         interrupted = interrupted or exc
-    except OSError as exc:  # readers fall back to the JSONL parts
+    except OSError as exc:  # readers fall back to the parts
         if failure is None:
             failure = exc
             _record_failure(run_dir, manifest, exc)

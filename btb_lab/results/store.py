@@ -437,8 +437,8 @@ def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
 
 
 def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> None:
-    """Convert the JSONL parts into `requests.parquet`, `utilization.parquet` and
-    `events.parquet`."""
+    """Convert the record, utilization and event parts into `requests.parquet`,
+    `utilization.parquet` and `events.parquet`."""
     _write_parquet(
         _typed_records(_read_parts(run_dir, "requests"), variant_order),
         run_dir / "requests.parquet",
@@ -469,7 +469,8 @@ def _read_parquet(path: Path) -> pd.DataFrame | None:
 
 
 def read_records(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
-    """All records of a run: the parquet file, or the JSONL parts of an unfinished run."""
+    """All records of a run: the parquet file, or the parts (Arrow or JSONL) of an
+    unfinished run."""
     frame = _read_parquet(run_dir / "requests.parquet")
     if frame is not None:
         return frame
