@@ -1026,8 +1026,8 @@ typedef struct {
     long long cap_blocks;
     /* the last `lead` walk: its tuple (owned), its answer, the entry of its last block
      * held, and `version` then. A burst's requests ask every instance about the same
-     * prefix; while an instance's blocks stay the same, comparing the items by identity
-     * with the last walk's answers without probing the table block by block. */
+     * prefix; while an instance's blocks stay the same, a question whose items are the
+     * last walk's (by identity) is answered from it, not block by block in the table. */
     PyObject *memo;
     Py_ssize_t memo_n;
     int32_t memo_cur;
