@@ -348,6 +348,15 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
         if plan.requests_per_run is None:
             plan.requests_per_run = len(_load_requests(plan.loaded, first_seed))
         return RunOutcome(run_dir=Path(), verdict=None, summary=None, plan=plan)
+    # a child imports matplotlib on the second core while this process loads and
+    # simulates, and draws the report's plots (`report.forked`)
+    from btb_lab.report import forked, png
+
+    with forked.prewarmed(png.pyplot):
+        return _run_planned(plan, options, first_seed)
+
+
+def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutcome:
     hyp, loaded = plan.hypothesis, plan.loaded
     # Every variant's resolved blocks and cost model, built once before anything runs (a
     # topology that does not fit fails here, not after the first variant ran).

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from btb_lab.report import forked
 from btb_lab.report.png import pyplot, save
 from btb_lab.report.timeline_plot import write_timelines
 
@@ -187,15 +188,26 @@ def write_plots(
     plots_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("ttft_cdf.png", "class_ttft.png", "timeline_zoom.png", "pool_cdf.png"):
         (plots_dir / stale).unlink(missing_ok=True)
-    written: list[tuple[str, str]] = []
     timeline_records = records if all_records is None else all_records
-    written += write_timelines(plt, plots_dir, timeline_records,
-                          events if events is not None else pd.DataFrame(columns=["repeat"]),
-                          variants, excluded or [])  # fmt: skip
-    ok = records[records["ok"].astype(bool)] if len(records) else records
-    if len(ok):
-        present = {str(c) for c in ok["class"].dropna().unique()}
-        classes = [c for c in class_names if c in present]
-        written += _latency_cdfs(plt, plots_dir, ok, variants, classes)
-    written += _utilization(plt, plots_dir, utilization, variants)
-    return written
+
+    def timelines() -> list[tuple[str, str]]:
+        return write_timelines(plt, plots_dir, timeline_records,
+                               events if events is not None else pd.DataFrame(columns=["repeat"]),
+                               variants, excluded or [])  # fmt: skip
+
+    # the timelines in a child beside the rest, when a second core is there (`forked`)
+    child = forked.start(timelines)
+    try:
+        written: list[tuple[str, str]] = []
+        ok = records[records["ok"].astype(bool)] if len(records) else records
+        if len(ok):
+            present = {str(c) for c in ok["class"].dropna().unique()}
+            classes = [c for c in class_names if c in present]
+            written += _latency_cdfs(plt, plots_dir, ok, variants, classes)
+        written += _utilization(plt, plots_dir, utilization, variants)
+        drawn = child.result() if child is not None else None
+    finally:
+        if child is not None:
+            child.cancel()
+    timeline = [(str(t), str(p)) for t, p in drawn] if drawn is not None else timelines()
+    return timeline + written

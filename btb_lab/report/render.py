@@ -19,6 +19,7 @@ from btb_lab.analysis.scopes import measured_window
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
+from btb_lab.report import forked
 from btb_lab.results import RunEntry, write_atomic
 
 __all__ = [
@@ -550,10 +551,16 @@ def build_report(run_dir: Path) -> AnalyzedRun:
     run.summary.save(run_dir)
     timeline = first_repeat_events(run)
     context = entry_context(run, timeline)
-    context["plots"] = write_plots(
-        run_dir / "plots", run.records, run.utilization,
-        list(run.summary.variants), [r.name for r in run.hypothesis.classes],
-        all_records=run.all_records, events=timeline, excluded=_excluded_spans(run),
-    )  # fmt: skip
+    args = (run_dir / "plots", run.records, run.utilization,
+            list(run.summary.variants), [r.name for r in run.hypothesis.classes])  # fmt: skip
+    kwargs: dict[str, Any] = {"all_records": run.all_records, "events": timeline,
+              "excluded": _excluded_spans(run)}  # fmt: skip
+    # a run's child, matplotlib imported while the run simulated, draws them (`forked`)
+    worker = forked.take_warm()
+    drawn = worker.call(write_plots, *args, **kwargs) if worker is not None else None
+    if drawn is None:
+        context["plots"] = write_plots(*args, **kwargs)
+    else:
+        context["plots"] = [(str(title), str(path)) for title, path in drawn]
     write_atomic(run_dir / "report.md", render_template("report.md.j2", context))
     return run

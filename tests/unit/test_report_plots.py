@@ -1,10 +1,13 @@
 """Report plots: the counter outline, the zoom drawn on the whole timeline's figure, and
-byte-for-byte re-rendering of every PNG."""
+byte-for-byte re-rendering of every PNG, in one process or with the timelines drawn in a
+forked child."""
 
 from __future__ import annotations
 
 import io
 import itertools
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +15,7 @@ import pandas as pd
 import pytest
 
 from btb_lab.records import EVENT_COLUMNS
-from btb_lab.report import plots, png, timeline_plot
+from btb_lab.report import forked, plots, png, timeline_plot
 
 
 def test_step_outline_drops_to_zero_only_across_gaps() -> None:
@@ -123,3 +126,76 @@ def test_cdf_labels_and_title_fit_a_one_column_figure(decades: int) -> None:
         assert title_box.x1 <= fig.bbox.x1
     finally:
         plt.close(fig)
+
+
+def _render_all(out: Path) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
+    records, events = _run()
+    utilization = pd.DataFrame({"variant": ["base", "warm"], "repeat": 0, "instance": "C0",
+                                "device": "0", "utilization": [0.5, 0.4]})  # fmt: skip
+    written = plots.write_plots(out, records, utilization, ["base", "warm"], ["ALL"],
+                                events=events)  # fmt: skip
+    return written, {path: (out / Path(path).name).read_bytes() for _, path in written}
+
+
+def test_timelines_drawn_in_a_child_are_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forked, "fork_allowed", lambda: False)
+    alone = _render_all(tmp_path / "alone")
+    children: list[object] = []
+    start = forked.start
+
+    def counted(work: object) -> object:
+        child = start(work)  # type: ignore[arg-type]
+        children.append(child)
+        return child
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    monkeypatch.setattr(forked, "start", counted)
+    beside = _render_all(tmp_path / "beside")
+    assert len(children) == 1
+    assert isinstance(children[0], forked.Forked)
+    assert beside == alone
+    assert [path for _, path in beside[0]][:2] == ["plots/timeline.png", "plots/timeline_zoom.png"]
+
+
+def test_a_failed_child_leaves_the_timelines_to_the_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forked, "fork_allowed", lambda: False)
+    alone = _render_all(tmp_path / "alone")
+    parent = os.getpid()
+    draw = plots.write_timelines
+
+    def fails_in_the_child(*args: object) -> object:
+        if os.getpid() != parent:
+            raise RuntimeError("the child's drawing failed")
+        return draw(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    monkeypatch.setattr(plots, "write_timelines", fails_in_the_child)
+    assert _render_all(tmp_path / "after") == alone
+
+
+def test_forked_child_answers_fails_or_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    child = forked.start(lambda: [["a", 1], {"pid": os.getpid()}])
+    assert child is not None
+    answer = child.result()
+    assert answer[0] == ["a", 1]
+    assert answer[1]["pid"] != os.getpid()
+
+    def boom() -> None:
+        raise ValueError("no answer")
+
+    failing = forked.start(boom)
+    assert failing is not None
+    assert failing.result() is None
+    sleeping = forked.start(lambda: time.sleep(60))
+    assert sleeping is not None
+    sleeping.cancel()  # killed and reaped: no child is left
+    with pytest.raises(ChildProcessError):
+        os.waitpid(sleeping.pid, os.WNOHANG)
+    monkeypatch.undo()
+    monkeypatch.setenv(forked.ENV, "0")
+    assert not forked.fork_allowed()

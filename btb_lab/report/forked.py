@@ -1,0 +1,186 @@
+"""One piece of the report drawn in a forked child while the parent draws the rest.
+
+Drawing the figures is most of a simulated run's report time (matplotlib, one core), and
+the timelines are independent of the CDFs and utilization bars, so on a machine with two
+or more cores the timelines render in a child (forked once the data and matplotlib are
+in memory, so it starts in milliseconds) beside the parent. The files are the same bytes
+either way (`write_atomic`, no timestamps); a child that fails, or a process where a fork
+is unsafe (other threads running) or pointless (one core), leaves the work to the parent,
+which then raises any error itself. `BTB_LAB_REPORT_FORK=0` turns the fork off.
+
+A run goes one step further (`prewarmed`): it forks a `Warm` child before it loads and
+simulates, which imports matplotlib on the second core meanwhile (about as long as the
+drawing itself), and the report then hands the plots to that child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["ENV", "Forked", "Warm", "fork_allowed", "prewarmed", "start", "take_warm", "warm"]
+
+ENV = "BTB_LAB_REPORT_FORK"
+
+
+def fork_allowed() -> bool:
+    """A fork is safe with this process's single thread, and pays with a second core."""
+    if not hasattr(os, "fork") or os.environ.get(ENV, "1") == "0":
+        return False
+    if threading.active_count() != 1:  # a lock held by another thread would stay held
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) >= 2
+
+
+class Forked:
+    """A running child; `result()` waits for it: its JSON answer, or None when it failed."""
+
+    def __init__(self, pid: int, read_fd: int) -> None:
+        self.pid = pid
+        self._read_fd = read_fd
+        self._reaped = False
+
+    def result(self) -> Any:
+        try:
+            with os.fdopen(self._read_fd, "rb") as pipe:
+                payload = pipe.read()
+            _, status = os.waitpid(self.pid, 0)
+            self._reaped = True
+        finally:
+            self.cancel()
+        if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0) or not payload:
+            return None
+        return json.loads(payload)
+
+    def cancel(self) -> None:
+        """Stop and reap the child (a Ctrl-C in the parent must not leave it behind)."""
+        if self._reaped:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        self._reaped = True
+
+
+def start(work: Callable[[], Any]) -> Forked | None:
+    """Run `work` in a forked child, which sends its JSON-able result back and exits without
+    the parent's exit handlers or buffered output; None when no fork is made."""
+    if not fork_allowed():
+        return None
+    read_fd, write_fd = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_fd)
+        os.close(write_fd)
+        return None
+    if pid == 0:  # the child
+        code = 1
+        try:
+            os.close(read_fd)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C
+            payload = json.dumps(work()).encode()
+            with os.fdopen(write_fd, "wb") as pipe:
+                pipe.write(payload)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    return Forked(pid, read_fd)
+
+
+class Warm:
+    """A child forked ahead of its one call, which it has prepared for (imports) meanwhile;
+    `call` sends it the function and arguments (pickled: a pipe between this process and
+    its own fork) and waits for the JSON answer, None when the child failed."""
+
+    def __init__(self, pid: int, command_fd: int, answer_fd: int) -> None:
+        self._command_fd = command_fd
+        self._child = Forked(pid, answer_fd)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(self._command_fd, "wb") as pipe:
+                self._command_fd = -1
+                pipe.write(payload)
+        except (OSError, pickle.PicklingError):  # the child died, or a lambda was sent
+            self.close()
+            return None
+        return self._child.result()
+
+    def close(self) -> None:
+        if self._command_fd >= 0:  # never called: the child reads an empty command and exits
+            with contextlib.suppress(OSError):
+                os.close(self._command_fd)
+            self._command_fd = -1
+        self._child.cancel()
+
+
+def warm(prepare: Callable[[], object]) -> Warm | None:
+    """Fork a child that runs `prepare` now and one `Warm.call` later; None when no fork is
+    made. The child ignores Ctrl-C (the parent decides what an interrupted run still
+    draws) and exits when the parent closes the command pipe or dies."""
+    if not fork_allowed():
+        return None
+    command_r, command_w = os.pipe()
+    answer_r, answer_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        for fd in (command_r, command_w, answer_r, answer_w):
+            os.close(fd)
+        return None
+    if pid == 0:  # the child
+        code = 1
+        try:
+            os.close(command_w)
+            os.close(answer_r)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            prepare()
+            with os.fdopen(command_r, "rb") as pipe:
+                command = pipe.read()
+            if command:
+                fn, args, kwargs = pickle.loads(command)
+                answer = json.dumps(fn(*args, **kwargs)).encode()
+                with os.fdopen(answer_w, "wb") as pipe:
+                    pipe.write(answer)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(command_r)
+    os.close(answer_w)
+    return Warm(pid, command_w, answer_r)
+
+
+_warm: Warm | None = None
+
+
+@contextlib.contextmanager
+def prewarmed(prepare: Callable[[], object]) -> Iterator[Warm | None]:
+    """A `Warm` child for the duration of the block, for `take_warm` to hand out once; it
+    is stopped when the block ends, used or not."""
+    global _warm
+    worker = warm(prepare)
+    _warm = worker
+    try:
+        yield worker
+    finally:
+        _warm = None
+        if worker is not None:
+            worker.close()
+
+
+def take_warm() -> Warm | None:
+    """The prepared child, once (a second report in the same block draws in-process)."""
+    global _warm
+    worker, _warm = _warm, None
+    return worker
