@@ -70,31 +70,48 @@ class Forked:
         self._reaped = True
 
 
-def start(work: Callable[[], Any]) -> Forked | None:
-    """Run `work` in a forked child, which sends its JSON-able result back and exits without
-    the parent's exit handlers or buffered output; None when no fork is made."""
-    if not fork_allowed():
-        return None
-    read_fd, write_fd = os.pipe()
+def _fork(
+    body: Callable[[], None], parent_ends: tuple[int, ...], child_ends: tuple[int, ...],
+    sigint: Any,
+) -> int | None:  # fmt: skip
+    """Fork: the child closes the parent's pipe ends, runs `body` and exits (0 when it
+    returned) without the parent's exit handlers or buffered output; the parent closes the
+    child's ends and gets the pid. None, every end closed, when the fork fails."""
     try:
         pid = os.fork()
     except OSError:
-        os.close(read_fd)
-        os.close(write_fd)
+        for fd in parent_ends + child_ends:
+            os.close(fd)
         return None
     if pid == 0:  # the child
         code = 1
         try:
-            os.close(read_fd)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C
-            payload = json.dumps(work()).encode()
-            with os.fdopen(write_fd, "wb") as pipe:
-                pipe.write(payload)
+            for fd in parent_ends:
+                os.close(fd)
+            signal.signal(signal.SIGINT, sigint)
+            body()
             code = 0
         finally:
             os._exit(code)
-    os.close(write_fd)
-    return Forked(pid, read_fd)
+    for fd in child_ends:
+        os.close(fd)
+    return pid
+
+
+def _send(fd: int, payload: bytes) -> None:
+    with os.fdopen(fd, "wb") as pipe:
+        pipe.write(payload)
+
+
+def start(work: Callable[[], Any]) -> Forked | None:
+    """Run `work` in a forked child, which sends its JSON-able result back; None when no
+    fork is made. Ctrl-C stops the child (the parent then draws or stops itself)."""
+    if not fork_allowed():
+        return None
+    read_fd, write_fd = os.pipe()
+    pid = _fork(lambda: _send(write_fd, json.dumps(work()).encode()), (read_fd,), (write_fd,),
+                signal.SIG_DFL)  # fmt: skip
+    return None if pid is None else Forked(pid, read_fd)
 
 
 class Warm:
@@ -112,7 +129,7 @@ class Warm:
             with os.fdopen(self._command_fd, "wb") as pipe:
                 self._command_fd = -1
                 pipe.write(payload)
-        except (OSError, pickle.PicklingError):  # the child died, or a lambda was sent
+        except (OSError, pickle.PicklingError, AttributeError):  # the child died; a lambda
             self.close()
             return None
         return self._child.result()
@@ -133,32 +150,17 @@ def warm(prepare: Callable[[], object]) -> Warm | None:
         return None
     command_r, command_w = os.pipe()
     answer_r, answer_w = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError:
-        for fd in (command_r, command_w, answer_r, answer_w):
-            os.close(fd)
-        return None
-    if pid == 0:  # the child
-        code = 1
-        try:
-            os.close(command_w)
-            os.close(answer_r)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            prepare()
-            with os.fdopen(command_r, "rb") as pipe:
-                command = pipe.read()
-            if command:
-                fn, args, kwargs = pickle.loads(command)
-                answer = json.dumps(fn(*args, **kwargs)).encode()
-                with os.fdopen(answer_w, "wb") as pipe:
-                    pipe.write(answer)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(command_r)
-    os.close(answer_w)
-    return Warm(pid, command_w, answer_r)
+
+    def serve() -> None:
+        prepare()
+        with os.fdopen(command_r, "rb") as pipe:
+            command = pipe.read()
+        if command:  # empty: the parent closed the pipe without a call
+            fn, args, kwargs = pickle.loads(command)
+            _send(answer_w, json.dumps(fn(*args, **kwargs)).encode())
+
+    pid = _fork(serve, (command_w, answer_r), (command_r, answer_w), signal.SIG_IGN)
+    return None if pid is None else Warm(pid, command_w, answer_r)
 
 
 _warm: Warm | None = None

@@ -6,6 +6,7 @@ TTFT multiplier set by the test, so verdicts on its output are known in advance.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -313,3 +314,63 @@ def test_a_crashed_run_keeps_its_traceback_and_the_report_links_it(
     report = (run_dir / "report.md").read_text()
     assert f"(traceback: [{fast['error_file']}]({fast['error_file']}))" in report
     assert "invariant broke" in report
+
+
+def _plots(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run_dir / "plots").glob("*.png"))}
+
+
+def test_a_run_draws_its_plots_in_a_warm_child_with_the_same_bytes(
+    tmp_path: Path, fake_effects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from btb_lab.report import forked
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: False)
+    alone = run_fake(tmp_path, out="alone")
+    taken: list[object] = []
+    take = forked.take_warm
+
+    def counted() -> object:
+        worker = take()
+        taken.append(worker)
+        return worker
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    monkeypatch.setattr(forked, "take_warm", counted)
+    warm = run_fake(tmp_path, out="warm")
+    assert len(taken) == 1
+    assert isinstance(taken[0], forked.Warm)
+    assert _plots(warm.run_dir) == _plots(alone.run_dir)
+    assert len(_plots(alone.run_dir)) >= 3
+    assert warm.summary.verdict == alone.summary.verdict
+    with pytest.raises(ChildProcessError):  # every child was reaped
+        os.waitpid(-1, os.WNOHANG)
+    # interrupted, the child still draws, and is reaped
+    INTERRUPT["fast"] = 40
+    with pytest.raises(RunInterrupted) as info:
+        run_fake(tmp_path, out="stopped")
+    assert (info.value.run_dir / "plots" / "latency_cdf.png").is_file()
+    assert isinstance(taken[1], forked.Warm)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_warm_child_answers_once_and_exits_unused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from btb_lab.report import forked
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    worker = forked.warm(lambda: None)
+    assert worker is not None
+    assert worker.call(divmod, 17, 5) == [3, 2]
+    unused = forked.warm(lambda: None)
+    assert unused is not None
+    unused.close()  # never called: stopped and reaped
+    failing = forked.warm(lambda: None)
+    assert failing is not None
+    assert failing.call(lambda: 1) is None  # a lambda cannot be sent: the parent draws
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+    with forked.prewarmed(lambda: None) as held:
+        assert forked.take_warm() is held
+        assert forked.take_warm() is None  # handed out once
+    assert forked.take_warm() is None
