@@ -229,7 +229,11 @@ class _Timeline:
         shown = records[records["repeat"] == repeat]
         self.shown = shown
         self.t_lo = float(shown["arrival_s"].min()) if len(shown) else 0.0
-        self.t_hi = float(np.nanmax(shown["finish_s"].to_numpy(float))) if len(shown) else 1.0
+        # failed requests have no finish: the view ends at the last arrival or finish
+        ends = shown[["arrival_s", "finish_s"]].to_numpy(float)
+        self.t_hi = float(np.nanmax(ends)) if len(shown) else 1.0
+        if not self.t_hi > self.t_lo:  # one instant (a single request that failed)
+            self.t_hi = self.t_lo + 1.0
         bursts = burst_windows(records, variants[0], repeat) if variants else pd.DataFrame()
         burst_spans = list(zip(bursts["start_s"], bursts["end_s"], strict=True))
         self.events: dict[str, pd.DataFrame] = {}

@@ -24,6 +24,8 @@ EFFECTS: dict[str, float] = {}
 INTERRUPT: dict[str, int] = {}
 # variants whose run crashes with this exception after writing a few records
 CRASH: dict[str, Exception] = {}
+# variants whose every request fails as against a server that is down (no tokens at all)
+UNREACHABLE: set[str] = set()
 SEEN: list[tuple[str, int, int, tuple[tuple[str, float], ...]]] = []
 CLOSED: list[str] = []  # one entry per FakeBackend.close() call
 
@@ -55,13 +57,16 @@ class FakeBackend:
             ttft = (0.2 + rng.expovariate(2.0)) * factor
             tpot = 0.02 + rng.random() * 0.01
             finish = req.arrival_s + ttft + tpot * max(req.output_tokens - 1, 0)
+            down = ctx.variant_name in UNREACHABLE
             batch.append(RequestRecord(
                 variant=ctx.variant_name, repeat=ctx.repeat, request_id=req.request_id,
                 trace_id=req.trace_id, source=req.source, session_id=req.session_id,
                 instance=f"C{i % n_inst}", route="COLO", arrival_s=req.arrival_s,
-                sent_s=req.arrival_s, first_token_s=req.arrival_s + ttft, finish_s=finish,
-                input_tokens=req.input_tokens, output_tokens=req.output_tokens,
+                sent_s=req.arrival_s, first_token_s=None if down else req.arrival_s + ttft,
+                finish_s=None if down else finish, input_tokens=req.input_tokens,
+                output_tokens=req.output_tokens,
                 cached_tokens=req.input_tokens // 2 if i % 2 else 0, turn=req.turn,
+                ok=not down, error="ConnectError" if down else None,
             ))  # fmt: skip
             if len(batch) >= 16:
                 ctx.sink.write(batch)
@@ -135,8 +140,10 @@ def fake_effects():
     SEEN.clear()
     CLOSED.clear()
     CRASH.clear()
+    UNREACHABLE.clear()
     yield EFFECTS
     CRASH.clear()
+    UNREACHABLE.clear()
     EFFECTS.clear()
     INTERRUPT.clear()
     SEEN.clear()
@@ -314,6 +321,20 @@ def test_a_crashed_run_keeps_its_traceback_and_the_report_links_it(
     report = (run_dir / "report.md").read_text()
     assert f"(traceback: [{fast['error_file']}]({fast['error_file']}))" in report
     assert "invariant broke" in report
+
+
+def test_a_run_whose_every_request_failed_still_gets_its_report(
+    tmp_path: Path, fake_effects
+) -> None:
+    """Servers that went down fail every request (no first token, no finish): the run
+    still ends with a report, its timeline spanning the arrivals, and INCONCLUSIVE."""
+    UNREACHABLE.update({"base", "fast"})
+    outcome = run_fake(tmp_path)
+    run_dir = outcome.run_dir
+    assert outcome.verdict.word == "INCONCLUSIVE"
+    report = (run_dir / "report.md").read_text()
+    assert "OK=0/120" in report
+    assert (run_dir / "plots" / "timeline.png").stat().st_size > 0
 
 
 def _plots(run_dir: Path) -> dict[str, bytes]:
