@@ -6,7 +6,9 @@ two-variant hypothesis (cache_aware and btb on 4 × (4×H100) llama-3.3-70b, one
 Every run is a fresh process; the figures per run:
 
 - whole: spawn to exit, as a user waits for `btb-lab run`;
-- peak RSS: the process's high-water mark (VmHWM);
+- peak RSS: the process's high-water mark (VmHWM), and beneath it the largest child's
+  (the plot child a run forks, `report.forked`), whose mark counts the pages it shares
+  with the run copy-on-write: the two added are an upper bound of the run's memory;
 - stages: import (the CLI's modules), load (trace → requests), simulate (every variant,
   records stored), analyse (`analyze_run`: metrics, bootstrap, verdict), report (plots
   and report.md), other (the rest of the command: planning, parquet, printing), start+exit
@@ -268,10 +270,14 @@ def timed_main():
         ended["at"] = time.perf_counter()
 
 def write_out():  # an exit handler: the console script's entry ends the process itself
+    import resource
     stages["import"] = T1 - T0
+    # the largest reaped child's high-water mark: the plot child, where a run forks one
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     with open(out_file, "w") as handle:
         json.dump({"stages": stages, "loop": loop, "inside_s": ended["at"] - T0,
-                   "code": ended["code"], "peak_rss_kib": peak_rss_kib()}, handle)
+                   "code": ended["code"], "peak_rss_kib": peak_rss_kib(),
+                   "child_rss_kib": children}, handle)
 
 atexit.register(write_out)
 cli.main = timed_main
@@ -284,6 +290,7 @@ getattr(cli, "entry", cli.main)()
 class Run:
     whole_s: float
     rss_mib: float
+    child_rss_mib: float | None  # the largest child's peak (the plot child); None: no child
     stages: dict[str, float]
     loop_rps: float | None
     requests: int
@@ -300,7 +307,7 @@ class Series:
 
 
 def _value(run: Run, key: str) -> float | None:
-    if key in ("whole_s", "rss_mib", "loop_rps"):
+    if key in ("whole_s", "rss_mib", "child_rss_mib", "loop_rps"):
         value: float | None = getattr(run, key)
         return value
     return run.stages.get(key)
@@ -343,9 +350,11 @@ def one_run(code: Path, hypothesis: Path, work: Path) -> Run:
     stages["other"] = data["inside_s"] - sum(stages.values())
     stages["start+exit"] = whole - data["inside_s"]
     loop = data["loop"]
+    child_kib = data.get("child_rss_kib") or 0
     return Run(
         whole_s=whole,
         rss_mib=rss,
+        child_rss_mib=child_kib / 1024 if child_kib else None,
         stages=stages,
         loop_rps=loop["requests"] / loop["s"] if loop["s"] > 0 else None,
         requests=loop["requests"],
@@ -441,7 +450,8 @@ def report(cases: list[Case], codes: list[Path], results: dict[str, dict[str, Se
             header += "".join(f"{'×' + label:>12}" for label in labels[1:])
         print(header)
         rows = [("whole (s)", "whole_s", 2), ("in-loop req/s", "loop_rps", 0),
-                ("peak RSS (MiB)", "rss_mib", 0)]  # fmt: skip
+                ("peak RSS (MiB)", "rss_mib", 0),
+                ("  child (MiB)", "child_rss_mib", 0)]  # fmt: skip
         rows += [(f"  {stage} (s)", stage, 2) for stage in STAGES]
         for title, key, digits in rows:
             medians = [results[case.name][label].median(key) for label in labels]

@@ -20,7 +20,7 @@ import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import IO, TYPE_CHECKING, Any, TextIO, TypeAlias
 
 import pandas as pd
 
@@ -35,6 +35,9 @@ from btb_lab.records import (
     UtilSample,
     derive_timings,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = [
     "RECORD_SINKS",
@@ -264,26 +267,26 @@ def write_events_part(
         os.fsync(fh.fileno())
 
 
-def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]] | dict[str, list[Any]]:
-    """The rows of every `kind` part in order: as columns when pyarrow reads every part
-    with the column types below, else as one dict per line (stopping a part at a line cut
-    short by a crash). Either goes straight into `pd.DataFrame(..., columns=...)`."""
+# what `_read_parts` gives: one table of every part, or a dict per line of JSONL parts
+Rows: TypeAlias = "pa.Table | list[dict[str, Any]]"
+
+
+def _read_parts(run_dir: Path, kind: str) -> Rows:
+    """The rows of every `kind` part in order: as one Arrow table when pyarrow reads every
+    part with the column types below, else as one dict per line (stopping a part at a line
+    cut short by a crash). Either becomes a frame in `_frame`."""
     folder = run_dir / PARTS_DIR
     parts = sorted([*folder.glob(f"{kind}-*.jsonl"), *folder.glob(f"{kind}-*{ARROW_PART}")])
     if parts and all(p.suffix == ARROW_PART for p in parts):
         return _read_arrow_parts(parts, _PART_TYPES[kind])
     mixed = any(p.suffix == ARROW_PART for p in parts)
-    columns = _read_parts_columnar(parts, _PART_TYPES[kind]) if parts and not mixed else None
-    if columns is not None:
-        return columns
+    table = _read_parts_columnar(parts, _PART_TYPES[kind]) if parts and not mixed else None
+    if table is not None:
+        return table
     rows: list[dict[str, Any]] = []
     for part in parts:
         if part.suffix == ARROW_PART:  # beside JSONL parts (a directory older versions began)
-            arrow = _read_arrow_parts([part], _PART_TYPES[kind])
-            rows.extend(
-                dict(zip(arrow, values, strict=True))
-                for values in zip(*arrow.values(), strict=True)
-            )
+            rows.extend(_read_arrow_parts([part], _PART_TYPES[kind]).to_pylist())
             continue
         with part.open(encoding="utf-8") as fh:
             for line in fh:
@@ -295,6 +298,21 @@ def _read_parts(run_dir: Path, kind: str) -> list[dict[str, Any]] | dict[str, li
                 except json.JSONDecodeError:
                     break  # a line cut short by a crash: everything before it is intact
     return rows
+
+
+def _frame(rows: Rows, columns: list[str]) -> pd.DataFrame:
+    """`_read_parts`' rows as a frame of `columns`: an Arrow table column by column, without
+    a Python object per value."""
+    if isinstance(rows, list):
+        return pd.DataFrame(rows, columns=columns)
+    n = rows.num_rows
+    # a column of nulls only is an object column of None, as pandas makes one from rows
+    # (its parquet type stays `null`: the same file either way)
+    return pd.DataFrame({
+        name: pd.Series([None] * n, dtype=object) if column.null_count == n
+        else column.to_pandas()
+        for name, column in ((name, rows.column(name)) for name in columns)
+    })  # fmt: skip
 
 
 def _part_types(
@@ -314,24 +332,21 @@ _PART_TYPES = {
 }
 
 
-def _read_parts_columnar(parts: list[Path], types: dict[str, str]) -> dict[str, list[Any]] | None:
-    """Each column of `parts` as one list of the values `json.loads` gives (JSON numbers in
-    a float column as floats), or None when some part needs the line reader: a line cut
-    short, a value of another type."""
+def _read_parts_columnar(parts: list[Path], types: dict[str, str]) -> pa.Table | None:
+    """`parts` as one Arrow table of `types` (JSON numbers in a float column as floats), or
+    None when some part needs the line reader: a line cut short, a value of another type."""
     import pyarrow as pa
     import pyarrow.json as pj
 
     schema = _part_schema(types)
     options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    columns: dict[str, list[Any]] = {name: [] for name in types}
+    tables = []
     for part in parts:
         try:
-            table = pj.read_json(part, parse_options=options)
+            tables.append(pj.read_json(part, parse_options=options).select(list(types)))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             return None
-        for name, values in columns.items():
-            values.extend(table.column(name).to_pylist())
-    return columns
+    return pa.concat_tables(tables)
 
 
 def _part_schema(types: dict[str, str]) -> Any:
@@ -341,14 +356,12 @@ def _part_schema(types: dict[str, str]) -> Any:
     return pa.schema([(name, kinds[kind]) for name, kind in types.items()])
 
 
-def _read_arrow_parts(parts: list[Path], types: dict[str, str]) -> dict[str, list[Any]]:
-    """Each column of the Arrow parts, as `_read_parts_columnar` gives it."""
-    columns: dict[str, list[Any]] = {name: [] for name in types}
-    for part in parts:
-        for batch in _read_arrow_part(part):
-            for name, values in columns.items():
-                values.extend(batch.column(name).to_pylist())
-    return columns
+def _read_arrow_parts(parts: list[Path], types: dict[str, str]) -> pa.Table:
+    """The Arrow parts as one table, as `_read_parts_columnar` gives it."""
+    import pyarrow as pa
+
+    batches = [batch for part in parts for batch in _read_arrow_part(part)]
+    return pa.Table.from_batches(batches, schema=_part_schema(types))
 
 
 def _read_arrow_part(path: Path) -> list[Any]:
@@ -372,11 +385,9 @@ def _read_arrow_part(path: Path) -> list[Any]:
     return batches
 
 
-def _typed_records(
-    rows: list[dict[str, Any]] | dict[str, list[Any]], order: list[str] | None
-) -> pd.DataFrame:
+def _typed_records(rows: Rows, order: list[str] | None) -> pd.DataFrame:
     """Rows of the parts as a typed frame with STORED_COLUMNS (+ `extra`)."""
-    frame = pd.DataFrame(rows, columns=[*RECORD_COLUMNS, "extra"])
+    frame = _frame(rows, [*RECORD_COLUMNS, "extra"])
     for column in _FLOAT_COLUMNS:
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
     for column in _INT_COLUMNS:
@@ -392,10 +403,8 @@ def _typed_records(
     return frame[[*STORED_COLUMNS, "extra"]]
 
 
-def _typed_util(
-    rows: list[dict[str, Any]] | dict[str, list[Any]], order: list[str] | None
-) -> pd.DataFrame:
-    frame = pd.DataFrame(rows, columns=list(UTIL_COLUMNS))
+def _typed_util(rows: Rows, order: list[str] | None) -> pd.DataFrame:
+    frame = _frame(rows, list(UTIL_COLUMNS))
     for column in ("time_s", "utilization", "memory_bytes"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
     frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
@@ -408,10 +417,8 @@ def _typed_util(
     return frame.reset_index(drop=True)
 
 
-def _typed_events(
-    rows: list[dict[str, Any]] | dict[str, list[Any]], order: list[str] | None
-) -> pd.DataFrame:
-    frame = pd.DataFrame(rows, columns=list(EVENT_COLUMNS))
+def _typed_events(rows: Rows, order: list[str] | None) -> pd.DataFrame:
+    frame = _frame(rows, list(EVENT_COLUMNS))
     for column in ("time_s", "value", "end_s"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
     frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")

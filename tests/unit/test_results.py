@@ -201,8 +201,10 @@ def test_parts_read_as_columns_give_the_frames_the_line_reader_gives(
         "util": lambda: store._typed_util(store._read_parts(tmp_path, "util"), ["v"]),
         "events": lambda: store._typed_events(store._read_parts(tmp_path, "events"), ["v"]),
     }
+    import pyarrow as pa
+
     for kind, frame_of in read.items():
-        assert isinstance(store._read_parts(tmp_path, kind), dict)  # the columnar reader
+        assert isinstance(store._read_parts(tmp_path, kind), pa.Table)  # the columnar reader
         columnar = frame_of()
         with monkeypatch.context() as patch:
             patch.setattr(store, "_read_parts_columnar", lambda parts, types: None)
