@@ -6,9 +6,9 @@ two-variant hypothesis (cache_aware and btb on 4 × (4×H100) llama-3.3-70b, one
 Every run is a fresh process; the figures per run:
 
 - whole: spawn to exit, as a user waits for `btb-lab run`;
-- peak RSS: the process's high-water mark (VmHWM), and beneath it the largest child's
-  (the plot child a run forks, `report.forked`), whose mark counts the pages it shares
-  with the run copy-on-write: the two added are an upper bound of the run's memory;
+- peak RSS: the process's high-water mark (VmHWM); and the peak PSS of the process with
+  its children (the plot child a run forks, `report.forked`), sampled every 50 ms: the
+  memory the run takes from the machine, pages shared copy-on-write counted once;
 - stages: import (the CLI's modules), load (trace → requests), simulate (every variant,
   records stored), analyse (`analyze_run`: metrics, bootstrap, verdict), report (plots
   and report.md), other (the rest of the command: planning, parquet, printing), start+exit
@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,14 +271,10 @@ def timed_main():
         ended["at"] = time.perf_counter()
 
 def write_out():  # an exit handler: the console script's entry ends the process itself
-    import resource
     stages["import"] = T1 - T0
-    # the largest reaped child's high-water mark: the plot child, where a run forks one
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     with open(out_file, "w") as handle:
         json.dump({"stages": stages, "loop": loop, "inside_s": ended["at"] - T0,
-                   "code": ended["code"], "peak_rss_kib": peak_rss_kib(),
-                   "child_rss_kib": children}, handle)
+                   "code": ended["code"], "peak_rss_kib": peak_rss_kib()}, handle)
 
 atexit.register(write_out)
 cli.main = timed_main
@@ -290,7 +287,7 @@ getattr(cli, "entry", cli.main)()
 class Run:
     whole_s: float
     rss_mib: float
-    child_rss_mib: float | None  # the largest child's peak (the plot child); None: no child
+    tree_pss_mib: float  # the process and its children, sampled (`_PssSampler`)
     stages: dict[str, float]
     loop_rps: float | None
     requests: int
@@ -307,10 +304,54 @@ class Series:
 
 
 def _value(run: Run, key: str) -> float | None:
-    if key in ("whole_s", "rss_mib", "child_rss_mib", "loop_rps"):
+    if key in ("whole_s", "rss_mib", "tree_pss_mib", "loop_rps"):
         value: float | None = getattr(run, key)
         return value
     return run.stages.get(key)
+
+
+class _PssSampler:
+    """The peak, over samples every `interval_s`, of the summed PSS of a process and its
+    descendants: what a run and the plot child it forks take together, each shared page
+    split between its sharers (their RSS figures would each count it whole)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+        self.peak_kib = 0
+        self._pid = pid
+        self._interval_s = interval_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.peak_kib = max(self.peak_kib, sum(map(_pss_kib, _tree(self._pid))))
+            self._done.wait(self._interval_s)
+
+
+def _tree(pid: int) -> list[int]:
+    pids, i = [pid], 0
+    while i < len(pids):
+        try:
+            for task in os.listdir(f"/proc/{pids[i]}/task"):
+                with open(f"/proc/{pids[i]}/task/{task}/children") as handle:
+                    pids += [int(c) for c in handle.read().split()]
+        except OSError:  # gone meanwhile
+            pass
+        i += 1
+    return pids
+
+
+def _pss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            return next((int(line.split()[1]) for line in handle if line.startswith("Pss:")), 0)
+    except (OSError, ValueError):  # gone meanwhile, or a zombie
+        return 0
 
 
 def _child(code: Path, script: str, args: list[str], work: Path) -> tuple[float, float, Any]:
@@ -332,12 +373,15 @@ def _child(code: Path, script: str, args: list[str], work: Path) -> tuple[float,
     with errors.open("wb") as stderr:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=stderr)
+        sampler = _PssSampler(proc.pid)
         _, status, usage = os.wait4(proc.pid, 0)
         whole = time.perf_counter() - start
+        sampler.stop()
     if os.waitstatus_to_exitcode(status) != 0 or not result.is_file():
         text = errors.read_text(errors="replace")[-3000:]
         raise SystemExit(f"{code}: {' '.join(args)} failed:\n{text}")
     data = json.loads(result.read_text())
+    data["tree_pss_kib"] = sampler.peak_kib
     shutil.rmtree(out)
     # the child's own high-water mark: wait4's can carry the parent's from before exec
     return whole, data.get("peak_rss_kib", usage.ru_maxrss) / 1024, data
@@ -350,11 +394,10 @@ def one_run(code: Path, hypothesis: Path, work: Path) -> Run:
     stages["other"] = data["inside_s"] - sum(stages.values())
     stages["start+exit"] = whole - data["inside_s"]
     loop = data["loop"]
-    child_kib = data.get("child_rss_kib") or 0
     return Run(
         whole_s=whole,
         rss_mib=rss,
-        child_rss_mib=child_kib / 1024 if child_kib else None,
+        tree_pss_mib=data["tree_pss_kib"] / 1024,
         stages=stages,
         loop_rps=loop["requests"] / loop["s"] if loop["s"] > 0 else None,
         requests=loop["requests"],
@@ -451,7 +494,7 @@ def report(cases: list[Case], codes: list[Path], results: dict[str, dict[str, Se
         print(header)
         rows = [("whole (s)", "whole_s", 2), ("in-loop req/s", "loop_rps", 0),
                 ("peak RSS (MiB)", "rss_mib", 0),
-                ("  child (MiB)", "child_rss_mib", 0)]  # fmt: skip
+                ("tree PSS (MiB)", "tree_pss_mib", 0)]  # fmt: skip
         rows += [(f"  {stage} (s)", stage, 2) for stage in STAGES]
         for title, key, digits in rows:
             medians = [results[case.name][label].median(key) for label in labels]
