@@ -306,13 +306,14 @@ def _frame(rows: Rows, columns: list[str]) -> pd.DataFrame:
     if isinstance(rows, list):
         return pd.DataFrame(rows, columns=columns)
     n = rows.num_rows
-    # a column of nulls only is an object column of None, as pandas makes one from rows
-    # (its parquet type stays `null`: the same file either way)
-    return pd.DataFrame({
-        name: pd.Series([None] * n, dtype=object) if column.null_count == n
-        else column.to_pandas()
-        for name, column in ((name, rows.column(name)) for name in columns)
-    })  # fmt: skip
+    frame = {}
+    for name in columns:
+        column = rows.column(name)
+        # a column of nulls only is an object column of None, as pandas makes one from
+        # rows (its parquet type stays `null`: the same file either way)
+        nulls = column.null_count == n
+        frame[name] = pd.Series([None] * n, dtype=object) if nulls else column.to_pandas()
+    return pd.DataFrame(frame)
 
 
 def _part_types(
