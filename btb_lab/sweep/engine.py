@@ -213,6 +213,24 @@ def _write_files(run_dir: Path, files: dict[str, bytes]) -> None:
         target.write_bytes(data)
 
 
+# In a pool worker: whether one of its points was stopped (Ctrl-C, or SIGTERM passed on)
+_worker_stopped: list[bool] = []
+
+
+def _pool_point(run_fn: RunPointFn, task: PointTask) -> None:
+    """`run_fn(task)` in a pool worker, which starts no point once one of its points was
+    stopped: the executor hands a worker the next queued point as soon as its last one
+    returns, interrupted or not, and a stopping sweep signals each worker once, so that
+    point would run (or wait) to its end instead of stopping with the rest."""
+    if _worker_stopped:
+        raise KeyboardInterrupt("the sweep is stopping: point not started")
+    try:
+        run_fn(task)
+    except KeyboardInterrupt:
+        _worker_stopped.append(True)
+        raise
+
+
 def _execute_local(
     tasks: Sequence[PointTask], run_fn: RunPointFn, jobs: int,
     done: Callable[[PointTask, str | None], None],
@@ -231,7 +249,7 @@ def _execute_local(
     pool = cf.ProcessPoolExecutor(max_workers=jobs)
     futures: dict[cf.Future[None], PointTask] = {}
     try:
-        futures = {pool.submit(run_fn, task): task for task in tasks}
+        futures = {pool.submit(_pool_point, run_fn, task): task for task in tasks}
         for fut in cf.as_completed(futures):
             err = fut.exception()
             done(futures[fut], None if err is None else _describe(err))

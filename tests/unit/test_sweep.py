@@ -283,6 +283,34 @@ def test_process_pool_gives_the_same_table_as_serial(tmp_path: Path) -> None:
     assert len(calls(tmp_path / "pool")) == 6
 
 
+def test_a_pool_worker_starts_no_point_after_one_of_its_points_was_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stopping sweep signals each worker once and the executor hands the worker the
+    next queued point as soon as the interrupted one returns: that point must not run
+    (it would run or wait to its end instead of stopping with the rest)."""
+    from btb_lab.sweep import engine
+
+    monkeypatch.setattr(engine, "_worker_stopped", [])
+    ran: list[str] = []
+
+    def interrupted(task: PointTask) -> None:
+        ran.append(task.point_id)
+        raise KeyboardInterrupt
+
+    def runs(task: PointTask) -> None:
+        ran.append(task.point_id)
+
+    first, second = (PointTask(point_id=p, labels={}, overrides={}, base_path="b.yaml",
+                               run_dir=p, seed=0) for p in ("1", "2"))  # fmt: skip
+    engine._pool_point(runs, first)  # a point that finishes changes nothing
+    with pytest.raises(KeyboardInterrupt):
+        engine._pool_point(interrupted, first)
+    with pytest.raises(KeyboardInterrupt, match="point not started"):
+        engine._pool_point(runs, second)
+    assert ran == ["1", "1"]
+
+
 def test_ray_executor_without_ray_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
