@@ -10,10 +10,11 @@ Every run is a fresh process; the figures per run:
   its children (the plot child a run forks, `report.forked`), sampled every 50 ms: the
   memory the run takes from the machine, pages shared copy-on-write counted once;
 - stages: import (the CLI's modules), load (trace → requests), simulate (every variant,
-  records stored), analyse (`analyze_run`: metrics, bootstrap, verdict), report (plots
-  and report.md), other (the rest of the command: planning, parquet, printing), start+exit
-  (the interpreter's start, and its teardown where the checkout's console script has
-  one);
+  records stored), finish (the records' parquet conversion and the last manifest, where
+  the checkout has `runner._finish`), analyse (`analyze_run`: metrics, bootstrap,
+  verdict), report (plots and report.md), other (the rest of the command: planning,
+  printing), start+exit (the interpreter's start, and its teardown where the checkout's
+  console script has one);
 - in-loop: simulated requests per second inside the engine's event loop (the record
   sink's time taken out).
 
@@ -47,7 +48,7 @@ TRACES = next(
     (p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()),
     ROOT.parent / "shared" / "traces",
 )
-STAGES = ("import", "load", "simulate", "analyse", "report", "other", "start+exit")
+STAGES = ("import", "load", "simulate", "finish", "analyse", "report", "other", "start+exit")
 
 
 @dataclass
@@ -190,7 +191,7 @@ DRIVER = r"""
 import sys, time
 T0 = time.perf_counter()
 import importlib.abc, importlib.util, json, os
-stages = {"load": 0.0, "simulate": 0.0, "analyse": 0.0, "report": 0.0}
+stages = {"load": 0.0, "simulate": 0.0, "finish": 0.0, "analyse": 0.0, "report": 0.0}
 loop = {"s": 0.0, "requests": 0}
 out_file, argv = sys.argv[1], sys.argv[2:]
 
@@ -229,7 +230,8 @@ def peak_rss_kib():
 
 PATCHES = {
     "btb_lab.runner": [("_load_requests", lambda f: timed("load", f)),
-                       ("_run_one", lambda f: timed("simulate", f))],
+                       ("_run_one", lambda f: timed("simulate", f)),
+                       ("_finish", lambda f: timed("finish", f))],
     "btb_lab.sim.backend": [("run_engine", engine_loop)],
     "btb_lab.report.render": [("build_report", lambda f: timed("report", f)),
                               ("analyze_run", lambda f: timed("analyse", f, minus="report"))],

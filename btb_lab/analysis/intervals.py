@@ -23,7 +23,7 @@ from btb_lab.analysis.bootstrap import (
     value_draws,
 )
 from btb_lab.analysis.metrics import gpu_stats_from_means, latency_stat
-from btb_lab.analysis.scopes import in_pool
+from btb_lab.analysis.scopes import in_pool, variant_rows
 from btb_lab.config.metrics import METRICS, MetricDef
 
 __all__ = [
@@ -126,10 +126,10 @@ def units_by_repeat(
             with np.errstate(invalid="ignore", divide="ignore"):
                 units[int(repeat)] = np.where(counts > 0, sums / counts, np.nan)
         return units
-    rows = records[records["variant"] == variant]
+    columns = _unit_columns(definition)
+    rows = variant_rows(records, variant, ["repeat", "ok", "class", *columns])
     if klass is not None:
         rows = rows[rows["class"] == klass]
-    columns = _unit_columns(definition)
     for repeat, rep in rows.groupby("repeat", sort=True):
         if definition.kind == "latency":
             good = rep[rep["ok"].astype(bool)]
@@ -183,7 +183,7 @@ def paired_with_repeats(
     columns = _unit_columns(definition)
 
     def table(name: str) -> pd.DataFrame:
-        rows = records[records["variant"] == name]
+        rows = variant_rows(records, name, ["repeat", "request_id", "class", "ok", *columns])
         out = pd.DataFrame({
             "repeat": rows["repeat"].astype(int).to_numpy(),
             "request_id": rows["request_id"].astype(str).reset_index(drop=True),

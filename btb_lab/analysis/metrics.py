@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from btb_lab.analysis.models import CacheStats, GpuStats, RequestMetrics, VariantSummary
+from btb_lab.analysis.scopes import variant_rows
 from btb_lab.config.metrics import METRICS, MetricDef
 
 __all__ = [
@@ -127,6 +128,13 @@ def _grouped_metrics(
     return {str(k): request_metrics(rows[keys == k]) for k in keys.unique()}
 
 
+# what a variant's summary reads of its records
+_SUMMARY_COLUMNS = [
+    "repeat", "ok", "class", "route", "source", "trace_id", "input_tokens", "cached_tokens",
+    "cache_tier", *dict.fromkeys(m.column for m in _LATENCY_METRICS if m.column is not None),
+]  # fmt: skip
+
+
 def summarize_variants(
     records: pd.DataFrame,
     util: pd.DataFrame,
@@ -139,7 +147,7 @@ def summarize_variants(
     `records` must already carry derived timings and the final `class` column."""
     out: dict[str, VariantSummary] = {}
     for name in variants:
-        rows = records[records["variant"] == name]
+        rows = variant_rows(records, name, _SUMMARY_COLUMNS)
         present = [str(c) for c in rows["class"].dropna().unique()] if "class" in rows else []
         ordered = list(class_names) + sorted(c for c in present if c not in class_names)
         util_rows = util[util["variant"] == name] if not util.empty else util

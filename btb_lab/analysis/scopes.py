@@ -16,7 +16,7 @@ import pandas as pd
 from btb_lab.analysis.models import Exclusion
 from btb_lab.config.hypothesis import Exclude
 
-__all__ = ["apply_exclusion", "in_pool", "measured_window"]
+__all__ = ["apply_exclusion", "in_pool", "measured_window", "variant_rows"]
 
 
 def _window_mask(rows: pd.DataFrame, rule: Exclude) -> np.ndarray:
@@ -89,3 +89,15 @@ def in_pool(records: pd.DataFrame, pool: str | None) -> pd.DataFrame:
     if pool is None:
         return records
     return records[records["source"].astype(str) == pool]
+
+
+def variant_rows(
+    records: pd.DataFrame, variant: str, columns: list[str], repeat: int | None = None
+) -> pd.DataFrame:
+    """One variant's records (of one repeat, when given), only those of `columns` the
+    frame has: a mask over the whole frame would copy all ~30 columns of a million-row
+    run for the few a statistic reads."""
+    mask = (records["variant"] == variant).to_numpy()
+    if repeat is not None:
+        mask = mask & (records["repeat"] == repeat).to_numpy()
+    return records.loc[mask, [c for c in dict.fromkeys(columns) if c in records.columns]]

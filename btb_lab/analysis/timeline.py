@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from btb_lab.analysis.scopes import variant_rows
 from btb_lab.events import LOAD_INTERVAL_S, interval_arrays
 from btb_lab.records import EVENT_COLUMNS
 
@@ -53,13 +54,20 @@ def _frame(
     }, columns=list(EVENT_COLUMNS))  # fmt: skip
 
 
+# what a reconstruction reads of a variant × repeat's records
+_RECONSTRUCT_COLUMNS = [
+    "ok", "sent_s", "first_token_s", "finish_s", "prefill_s", "kv_load_s", "kv_transfer_s",
+    "queue_s", "instance", "prefill_instance", "request_id", "input_tokens",
+]  # fmt: skip
+
+
 def reconstruct_events(
     records: pd.DataFrame, variant: str, repeat: int, interval_s: float | None = None
 ) -> pd.DataFrame:
     """`waiting`, `running` and `kv_transfer` events of one variant × repeat rebuilt from
     its records (see the module docstring). The grid is LOAD_INTERVAL_S, coarser for long
     runs (at most about 4,000 intervals: more than a plot shows)."""
-    rows = records[(records["variant"] == variant) & (records["repeat"] == repeat)]
+    rows = variant_rows(records, variant, _RECONSTRUCT_COLUMNS, repeat)
     rows = rows[rows["ok"].astype(bool)]
     if rows.empty:
         return pd.DataFrame(columns=list(EVENT_COLUMNS))
@@ -74,7 +82,8 @@ def reconstruct_events(
     transfer = rows["kv_transfer_s"].to_numpy(float)
     decode_inst = rows["instance"].astype(str).to_numpy()
     p_inst = rows["prefill_instance"].astype(object).to_numpy()
-    offloaded = np.array([p is not None and p == p and str(p) != "" for p in p_inst])
+    offloaded = pd.notna(p_inst)  # None, NaN: co-located; so is an empty name
+    offloaded[offloaded] = p_inst[offloaded].astype(str) != ""
     # rows with queue / prefill stamps (the simulator's, an offload's) place the admission;
     # a real co-located request only says it was in flight
     timed = (rows["queue_s"].to_numpy(float) > 0) | (prefill > 0)
@@ -131,11 +140,18 @@ def timeline_events(records: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame
         if not events.empty
         else set()
     )
-    for (variant, repeat), rows in records.groupby(["variant", "repeat"], sort=False):
+    # (variant, repeat) pairs in order of appearance, as a groupby without sorting gives
+    # them, without materializing each group's rows
+    pairs = records[["variant", "repeat"]].drop_duplicates()
+    split = records["prefill_instance"].notna()
+    for variant, repeat in zip(pairs["variant"], pairs["repeat"], strict=True):
         missing = {
             k for k in ("waiting", "running", "kv_transfer") if (variant, repeat, k) not in have
         }
-        if missing == {"kv_transfer"} and not rows["prefill_instance"].notna().any():
+        if (
+            missing == {"kv_transfer"}
+            and not split[(records["variant"] == variant) & (records["repeat"] == repeat)].any()
+        ):
             continue  # nothing was offloaded: there is no transfer to rebuild
         if not missing:
             continue
@@ -149,7 +165,7 @@ def timeline_events(records: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame
 def burst_windows(records: pd.DataFrame, variant: str, repeat: int) -> pd.DataFrame:
     """[start_s, end_s] of every burst among one variant × repeat's requests: a group with
     at least BURST_MIN_REQUESTS requests arriving at BURST_MIN_RATE_PER_S or faster."""
-    rows = records[(records["variant"] == variant) & (records["repeat"] == repeat)]
+    rows = variant_rows(records, variant, ["group_id", "arrival_s"], repeat)
     rows = rows[rows["group_id"].notna()]
     if rows.empty:
         return pd.DataFrame(columns=["group_id", "start_s", "end_s", "requests"])
@@ -167,7 +183,7 @@ def burst_windows(records: pd.DataFrame, variant: str, repeat: int) -> pd.DataFr
 def route_counts(records: pd.DataFrame, variant: str, repeat: int, bin_s: float) -> pd.DataFrame:
     """Requests per (instance, route, arrival bin) of one variant × repeat: columns
     instance, route, bin_start_s, requests."""
-    rows = records[(records["variant"] == variant) & (records["repeat"] == repeat)]
+    rows = variant_rows(records, variant, ["instance", "route", "arrival_s"], repeat)
     if rows.empty:
         return pd.DataFrame(columns=["instance", "route", "bin_start_s", "requests"])
     bins = np.floor(rows["arrival_s"].to_numpy(float) / bin_s) * bin_s

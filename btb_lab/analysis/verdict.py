@@ -59,7 +59,7 @@ from btb_lab.analysis.models import (
     Verdict,
     VerdictWord,
 )
-from btb_lab.analysis.scopes import in_pool
+from btb_lab.analysis.scopes import in_pool, variant_rows
 from btb_lab.config.hypothesis import Guard, VerdictRule
 from btb_lab.config.metrics import METRICS
 
@@ -224,11 +224,12 @@ def _compare(
     p_value = _p_not_beyond(rule, draws)
 
     def ok_count(v: str) -> int:
-        rows = records[records["variant"] == v]
+        keys = ["repeat", "request_id"]
+        rows = variant_rows(records, v, [*keys, "class", "ok"])
         if klass is not None and aligned is not None and v != baseline:
             # the requests paired on: those of the class in the baseline
-            labelled = records[(records["variant"] == baseline) & (records["class"] == klass)]
-            keys = ["repeat", "request_id"]
+            labelled = variant_rows(records, baseline, [*keys, "class"])
+            labelled = labelled[labelled["class"] == klass]
             chosen = pd.MultiIndex.from_frame(labelled[keys].astype({"request_id": str}))
             rows = rows[
                 pd.MultiIndex.from_frame(rows[keys].astype({"request_id": str})).isin(chosen)

@@ -36,6 +36,23 @@ def test_ttft_e2e_tpot_definitions() -> None:
     assert f.iloc[2][["ttft_s", "e2e_s", "tpot_s"]].isna().all()
 
 
+def test_derived_timings_of_a_stored_frame_keep_its_columns_and_leave_it_as_it_was() -> None:
+    """`requests.parquet` already holds the derived columns: they are computed again in
+    their places, and the frame the analysis read stays unchanged."""
+    stored = derive_timings(frame([
+        {"sent_s": 1.0, "first_token_s": 1.5, "finish_s": 3.5, "output_tokens": 5},
+        {"sent_s": 2.0, "first_token_s": None, "finish_s": None, "output_tokens": 9, "ok": False},
+    ]))  # fmt: skip
+    stored["ttft_s"] = [9.0, 9.0]  # a stale value, to be derived again
+    before = stored.copy()
+    again = derive_timings(stored)
+    assert list(again.columns) == list(stored.columns)
+    assert again["ttft_s"].iloc[0] == 0.5
+    assert math.isnan(again["ttft_s"].iloc[1])
+    assert again["tpot_s"].iloc[0] == pytest.approx(0.5)
+    pd.testing.assert_frame_equal(stored, before)
+
+
 def test_ttft_uses_actual_send_not_target_arrival() -> None:
     f = derive_timings(frame([
         {"arrival_s": 1.0, "sent_s": 1.25, "first_token_s": 2.0, "finish_s": 3.0,

@@ -142,6 +142,18 @@ def test_a_run_where_every_request_was_offloaded_is_rebuilt_too() -> None:
     assert len(ev[ev["kind"] == "kv_transfer"]) == 1
 
 
+def test_only_a_named_prefill_instance_makes_a_request_offloaded() -> None:
+    """None, NaN and an empty name (JSONL parts, older parquet files) are co-located."""
+    records = pd.DataFrame([
+        _record(request_id=str(i), prefill_instance=p, queue_s=0.5, prefill_s=0.5)
+        for i, p in enumerate([None, float("nan"), "", "PS0"])
+    ])  # fmt: skip
+    ev = reconstruct_events(records, "v", 0, interval_s=0.5)
+    (transfer,) = ev[ev["kind"] == "kv_transfer"].itertuples()
+    assert (transfer.request_id, transfer.peer) == ("3", "PS0")
+    assert set(ev.loc[ev["kind"] == "waiting", "instance"]) == {"C0", "PS0"}
+
+
 def test_stored_kinds_are_not_reconstructed_again() -> None:
     records = pd.DataFrame([_record(queue_s=0.5, prefill_s=0.5)])
     stored = pd.DataFrame([{"variant": "v", "repeat": 0, "time_s": 0.0, "kind": "waiting",
