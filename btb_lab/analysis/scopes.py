@@ -16,7 +16,7 @@ import pandas as pd
 from btb_lab.analysis.models import Exclusion
 from btb_lab.config.hypothesis import Exclude
 
-__all__ = ["apply_exclusion", "in_pool", "measured_window", "variant_rows"]
+__all__ = ["apply_exclusion", "in_pool", "measured_window", "rows_where", "variant_rows"]
 
 
 def _window_mask(rows: pd.DataFrame, rule: Exclude) -> np.ndarray:
@@ -101,3 +101,11 @@ def variant_rows(
     if repeat is not None:
         mask = mask & (records["repeat"] == repeat).to_numpy()
     return records.loc[mask, [c for c in dict.fromkeys(columns) if c in records.columns]]
+
+
+def rows_where(frame: pd.DataFrame, mask: Any) -> pd.DataFrame:
+    """`frame[mask]`, or `frame` itself when the mask keeps every row (one repeat, every
+    request ok): selecting all of a million rows would copy them for nothing. Callers
+    only read the result."""
+    keep = np.asarray(mask, dtype=bool)
+    return frame if keep.all() else frame[keep]

@@ -184,16 +184,21 @@ def route_counts(records: pd.DataFrame, variant: str, repeat: int, bin_s: float)
     """Requests per (instance, route, arrival bin) of one variant × repeat: columns
     instance, route, bin_start_s, requests."""
     rows = variant_rows(records, variant, ["instance", "route", "arrival_s"], repeat)
-    if rows.empty:
-        return pd.DataFrame(columns=["instance", "route", "bin_start_s", "requests"])
     bins = np.floor(rows["arrival_s"].to_numpy(float) / bin_s) * bin_s
-    frame = pd.DataFrame(
-        {"instance": rows["instance"].astype(str).to_numpy(),
-         "route": rows["route"].astype(str).to_numpy(), "bin_start_s": bins}
-    )  # fmt: skip
-    return (
-        frame.groupby(["instance", "route", "bin_start_s"], sort=True)
-        .size()
-        .rename("requests")
-        .reset_index()
-    )
+    known = ~np.isnan(bins)  # a groupby leaves out a missing key
+    if not known.any():
+        return pd.DataFrame(columns=["instance", "route", "bin_start_s", "requests"])
+    # one integer key per (instance, route, bin), each part coded in sorted order, so that
+    # sorting the keys sorts as a three-column groupby would, without grouping strings
+    inst_codes, inst_names = pd.factorize(rows["instance"].astype(str).to_numpy()[known], sort=True)
+    route_codes, route_names = pd.factorize(rows["route"].astype(str).to_numpy()[known], sort=True)
+    bin_values, bin_codes = np.unique(bins[known], return_inverse=True)
+    key = (inst_codes.astype(np.int64) * len(route_names) + route_codes) * len(bin_values)
+    keys, requests = np.unique(key + bin_codes, return_counts=True)
+    inst_route, bin_of = np.divmod(keys, len(bin_values))
+    inst_of, route_of = np.divmod(inst_route, len(route_names))
+    return pd.DataFrame({
+        "instance": np.asarray(inst_names, dtype=object)[inst_of],
+        "route": np.asarray(route_names, dtype=object)[route_of],
+        "bin_start_s": bin_values[bin_of], "requests": requests.astype(np.int64),
+    })  # fmt: skip

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from btb_lab.analysis.scopes import rows_where
 from btb_lab.report import forked
 from btb_lab.report.png import pyplot, save
 from btb_lab.report.timeline_plot import write_timelines
@@ -199,7 +200,7 @@ def write_plots(
     child = forked.start(timelines)
     try:
         written: list[tuple[str, str]] = []
-        ok = records[records["ok"].astype(bool)] if len(records) else records
+        ok = rows_where(records, records["ok"].astype(bool)) if len(records) else records
         if len(ok):
             present = {str(c) for c in ok["class"].dropna().unique()}
             classes = [c for c in class_names if c in present]

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from btb_lab.analysis.models import Comparison, RequestMetrics, Summary
-from btb_lab.analysis.scopes import measured_window
+from btb_lab.analysis.scopes import measured_window, rows_where
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
@@ -505,7 +505,7 @@ def first_repeat_events(run: AnalyzedRun) -> pd.DataFrame:
     records = run.all_records
     if records.empty:
         return run.events
-    first = records[records["repeat"] == records["repeat"].min()]
+    first = rows_where(records, records["repeat"] == records["repeat"].min())
     events = run.events
     if not events.empty:
         events = events[events["repeat"] == first["repeat"].min()]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from btb_lab.analysis.scopes import rows_where, variant_rows
 from btb_lab.analysis.timeline import burst_windows, route_counts, timeline_events
 from btb_lab.report.png import save
 
@@ -226,7 +227,7 @@ class _Timeline:
             ax.tick_params(labelbottom=False)
         self.fig = fig
         self.axes = axes
-        shown = records[records["repeat"] == repeat]
+        shown = rows_where(records, records["repeat"] == repeat)
         self.shown = shown
         self.t_lo = float(shown["arrival_s"].min()) if len(shown) else 0.0
         # failed requests have no finish: the view ends at the last arrival or finish
@@ -355,7 +356,9 @@ class _Timeline:
         shown, lane, repeat = self.shown, self.lane, self.repeat
         for block, name in enumerate(self.variants):
             ax_lane = self.axes[3 * block]
-            mine = shown[(shown["variant"] == name)]
+            mine = variant_rows(
+                shown, name, ["variant", "repeat", "arrival_s", "route", "instance"]
+            )
             mine = mine[(mine["arrival_s"] >= t_lo - bin_s) & (mine["arrival_s"] <= t_hi + bin_s)]
             if len(mine) <= _TICK_LIMIT:
                 for route, rows in mine.groupby(mine["route"].astype(str), sort=True):
@@ -403,7 +406,7 @@ def write_timelines(
     repeat = int(records["repeat"].min())
     repeats = records["repeat"].nunique()
     which = f"repeat 1 of {repeats}" if repeats > 1 else "the run"
-    shown = records[records["repeat"] == repeat]
+    shown = rows_where(records, records["repeat"] == repeat)
     events = timeline_events(shown, events[events["repeat"] == repeat] if len(events) else events)
     written: list[tuple[str, str]] = []
     timeline = _Timeline(plt, shown, events, variants, repeat, excluded)

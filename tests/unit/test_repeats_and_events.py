@@ -10,7 +10,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from btb_lab.analysis.timeline import burst_windows, reconstruct_events, timeline_events
+from btb_lab.analysis.timeline import (
+    burst_windows,
+    reconstruct_events,
+    route_counts,
+    timeline_events,
+)
 from btb_lab.config.workload import RepeatVariation, WorkloadSpec
 from btb_lab.events import EventLog, interval_runs, step_runs
 from btb_lab.records import EVENT_COLUMNS, EventRecord, Request
@@ -162,6 +167,30 @@ def test_stored_kinds_are_not_reconstructed_again() -> None:
     merged = timeline_events(records, stored)
     assert set(merged.loc[merged["kind"] == "waiting", "origin"]) == {"engine"}
     assert set(merged.loc[merged["kind"] == "running", "origin"]) == {"records"}
+
+
+def test_route_counts_are_a_groupby_of_instance_route_and_bin() -> None:
+    rng = np.random.default_rng(3)
+    rows = [
+        _record(request_id=str(i), instance=f"C{rng.integers(0, 11)}", arrival_s=a,
+                route=str(rng.choice(["COLD", "CACHE_HIT", "BALANCE"])))
+        for i, a in enumerate(rng.uniform(0, 100, 400))
+    ]  # fmt: skip
+    rows += [_record(request_id="x", arrival_s=float("nan"), route="COLD")]
+    rows += [_record(request_id="y", variant="w", route="COLD")]  # another variant: left out
+    records = pd.DataFrame(rows)
+    mine = records[records["variant"] == "v"]
+    bins = np.floor(mine["arrival_s"].to_numpy(float) / 7.5) * 7.5
+    expected = (
+        pd.DataFrame({"instance": mine["instance"], "route": mine["route"], "bin_start_s": bins})
+        .groupby(["instance", "route", "bin_start_s"], sort=True)
+        .size()
+        .rename("requests")
+        .reset_index()
+    )
+    counts = route_counts(records, "v", 0, 7.5)
+    pd.testing.assert_frame_equal(counts, expected)  # C10 sorts before C2, as text
+    assert counts["requests"].sum() == 400
 
 
 def test_burst_windows_are_dense_groups() -> None:
