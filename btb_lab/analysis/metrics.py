@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from btb_lab.analysis.models import CacheStats, GpuStats, RequestMetrics, VariantSummary
-from btb_lab.analysis.scopes import variant_rows
+from btb_lab.analysis.scopes import rows_where, variant_rows
 from btb_lab.config.metrics import METRICS, MetricDef
 
 __all__ = [
@@ -125,7 +125,7 @@ def _grouped_metrics(
     keys = rows[column].astype(str)
     if per_repeat and rows["repeat"].nunique() > 1:
         keys = "r" + (rows["repeat"].astype(int) + 1).astype(str) + ":" + keys
-    return {str(k): request_metrics(rows[keys == k]) for k in keys.unique()}
+    return {str(k): request_metrics(rows_where(rows, keys == k)) for k in keys.unique()}
 
 
 # what a variant's summary reads of its records
@@ -154,7 +154,7 @@ def summarize_variants(
         routes = rows["route"].astype(str).value_counts() if len(rows) else pd.Series()
         out[name] = VariantSummary(
             all=request_metrics(rows),
-            classes={c: request_metrics(rows[rows["class"] == c]) for c in ordered},
+            classes={c: request_metrics(rows_where(rows, rows["class"] == c)) for c in ordered},
             pools=_grouped_metrics(rows, "source"),
             windows=_grouped_metrics(rows, "trace_id", per_repeat=True),
             routes={str(k): int(v) for k, v in sorted(routes.items())},
