@@ -290,7 +290,7 @@ class Run:
     whole_s: float
     rss_mib: float
     tree_pss_mib: float  # the process and its children, sampled (`_PssSampler`)
-    stages: dict[str, float]
+    stages: dict[str, float | None]
     loop_rps: float | None
     requests: int
 
@@ -392,9 +392,11 @@ def _child(code: Path, script: str, args: list[str], work: Path) -> tuple[float,
 def one_run(code: Path, hypothesis: Path, work: Path) -> Run:
     args = ["run", str(hypothesis), "--out", "{out}/run", "--no-progress"]
     whole, rss, data = _child(code, DRIVER, args, work)
-    stages = dict(data["stages"])
-    stages["other"] = data["inside_s"] - sum(stages.values())
+    stages: dict[str, float | None] = dict(data["stages"])
+    stages["other"] = data["inside_s"] - sum(v for v in stages.values() if v is not None)
     stages["start+exit"] = whole - data["inside_s"]
+    if not stages["finish"]:  # a checkout without `runner._finish`: inside "other"
+        stages["finish"] = None
     loop = data["loop"]
     return Run(
         whole_s=whole,
@@ -503,7 +505,7 @@ def report(cases: list[Case], codes: list[Path], results: dict[str, dict[str, Se
             line = f"  {title:<16}" + "".join(f"{_fmt(m, digits):>14}" for m in medians)
             for m in medians[1:]:
                 base = medians[0]
-                if m is None or base is None or m == 0:
+                if m is None or base is None or m == 0 or base == 0:
                     line += f"{'—':>12}"
                 elif key == "loop_rps":
                     line += f"{m / base:>11.2f}×"
