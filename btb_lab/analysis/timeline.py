@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from btb_lab.analysis.scopes import variant_rows
+from btb_lab.analysis.scopes import rows_where, variant_rows
 from btb_lab.events import LOAD_INTERVAL_S, interval_arrays
 from btb_lab.records import EVENT_COLUMNS
 
@@ -68,7 +68,7 @@ def reconstruct_events(
     its records (see the module docstring). The grid is LOAD_INTERVAL_S, coarser for long
     runs (at most about 4,000 intervals: more than a plot shows)."""
     rows = variant_rows(records, variant, _RECONSTRUCT_COLUMNS, repeat)
-    rows = rows[rows["ok"].astype(bool)]
+    rows = rows_where(rows, rows["ok"].astype(bool))
     if rows.empty:
         return pd.DataFrame(columns=list(EVENT_COLUMNS))
     if interval_s is None:
@@ -143,15 +143,12 @@ def timeline_events(records: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame
     # (variant, repeat) pairs in order of appearance, as a groupby without sorting gives
     # them, without materializing each group's rows
     pairs = records[["variant", "repeat"]].drop_duplicates()
-    split = records["prefill_instance"].notna()
     for variant, repeat in zip(pairs["variant"], pairs["repeat"], strict=True):
         missing = {
             k for k in ("waiting", "running", "kv_transfer") if (variant, repeat, k) not in have
         }
-        if (
-            missing == {"kv_transfer"}
-            and not split[(records["variant"] == variant) & (records["repeat"] == repeat)].any()
-        ):
+        offloads = variant_rows(records, variant, ["prefill_instance"], repeat)
+        if missing == {"kv_transfer"} and not offloads["prefill_instance"].notna().any():
             continue  # nothing was offloaded: there is no transfer to rebuild
         if not missing:
             continue
