@@ -147,11 +147,12 @@ def timeline_events(records: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame
         missing = {
             k for k in ("waiting", "running", "kv_transfer") if (variant, repeat, k) not in have
         }
-        offloads = variant_rows(records, variant, ["prefill_instance"], repeat)
-        if missing == {"kv_transfer"} and not offloads["prefill_instance"].notna().any():
-            continue  # nothing was offloaded: there is no transfer to rebuild
         if not missing:
             continue
+        if missing == {"kv_transfer"}:
+            offloads = variant_rows(records, variant, ["prefill_instance"], repeat)
+            if not offloads["prefill_instance"].notna().any():
+                continue  # nothing was offloaded: there is no transfer to rebuild
         rebuilt = reconstruct_events(records, str(variant), int(str(repeat)))
         frames.append(rebuilt[rebuilt["kind"].isin(missing)])
     if not frames:
