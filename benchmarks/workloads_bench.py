@@ -16,7 +16,8 @@ Every run is a fresh process; the figures per run:
   printing), start+exit (the interpreter's start, and its teardown where the checkout's
   console script has one);
 - in-loop: simulated requests per second inside the engine's event loop (the record
-  sink's time taken out).
+  sink's time taken out), its seconds summed over the variants' worker processes where
+  the run has them (`btb-lab run --jobs`, one per core by default), so a per-core rate.
 
 Several checkouts (`--code DIR`, e.g. a pre-change checkout) run side by side, their
 runs interleaved, each process with that checkout first on `PYTHONPATH` and a shared
@@ -59,6 +60,7 @@ class Case:
     fmt: str
     block_tokens: int
     prefix_tokens: int  # BTB's Y
+    windows: int = 2  # seed_bursty windows, for the seed_bursty cases
     rows: int = 0
 
 
@@ -82,6 +84,13 @@ CASES = {
     "short": Case(
         "short", "short prompts: the sim bench workload (Poisson 24/s, 1–8 shared blocks + 1)",
         "short.jsonl", "mooncake", 512, 4096,
+    ),
+    # Research scale: the size of the published Bursted-ART test split (76,800 rows), where
+    # the fixed costs (imports, plots) no longer dominate and the engine and loader do.
+    "seed_bursty_19w": Case(
+        "seed_bursty_19w", "seed_bursty at research scale: 19 windows, about the size of the "
+        "published Bursted-ART test split", "bursted_art_19w.jsonl", "bursted-art", 256, 65536,
+        windows=19,
     ),
     # A diagnostic, not a workload: seed_bursty's requests in 32,768-token blocks (3 a
     # request instead of 257); its in-loop rate against seed_bursty's is how much of the
@@ -134,7 +143,7 @@ def prepare(case: Case, work: Path, traces: Path) -> Path:
     if not trace.is_file():
         if case.name.startswith("seed_bursty"):
             _btb("trace", "generate", "seed_bursty", "--block-tokens", str(case.block_tokens),
-                 "-p", "windows=2", "-o", str(trace))  # fmt: skip
+                 "-p", f"windows={case.windows}", "-o", str(trace))  # fmt: skip
             _drop_turns(trace)
         elif case.name == "bursted_mixed":
             _btb("trace", "generate", "bursted", "--seed", "0", "-p", "windows=8",
@@ -194,6 +203,7 @@ import importlib.abc, importlib.util, json, os
 stages = {"load": 0.0, "simulate": 0.0, "finish": 0.0, "analyse": 0.0, "report": 0.0}
 loop = {"s": 0.0, "requests": 0}
 out_file, argv = sys.argv[1], sys.argv[2:]
+MAIN_PID = os.getpid()
 
 def timed(stage, fn, minus=None):
     def wrapper(*args, **kwargs):
@@ -215,8 +225,13 @@ def engine_loop(fn):
             sink[0] += time.perf_counter() - start
         start = time.perf_counter()
         result = fn(costs, settings, policy, requests, timed_emit, *args, **kwargs)
-        loop["s"] += time.perf_counter() - start - sink[0]
-        loop["requests"] += len(requests)
+        spent = time.perf_counter() - start - sink[0]
+        if os.getpid() == MAIN_PID:
+            loop["s"] += spent
+            loop["requests"] += len(requests)
+        else:  # a variant's worker process (`run --jobs`): its figures through a file
+            with open(out_file + ".loop", "a") as handle:
+                handle.write(f"{spent} {len(requests)}\n")
         return result
     return wrapper
 
@@ -229,7 +244,10 @@ def peak_rss_kib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 PATCHES = {
+    # simulate: a repeat's variants (`_run_repeat`, which may run them in workers), or in
+    # checkouts without it each variant's run
     "btb_lab.runner": [("_load_requests", lambda f: timed("load", f)),
+                       ("_run_repeat", lambda f: timed("simulate", f)),
                        ("_run_one", lambda f: timed("simulate", f)),
                        ("_finish", lambda f: timed("finish", f))],
     "btb_lab.sim.backend": [("run_engine", engine_loop)],
@@ -249,9 +267,12 @@ class Patcher(importlib.abc.MetaPathFinder):
         run = spec.loader.exec_module
         def exec_module(module):
             run(module)
+            patched = set()
             for attr, wrap in PATCHES[name]:
-                if hasattr(module, attr):
+                stage = "simulate" if attr in ("_run_repeat", "_run_one") else attr
+                if hasattr(module, attr) and stage not in patched:
                     setattr(module, attr, wrap(getattr(module, attr)))
+                    patched.add(stage)
         spec.loader.exec_module = exec_module
         return spec
 
@@ -273,7 +294,15 @@ def timed_main():
         ended["at"] = time.perf_counter()
 
 def write_out():  # an exit handler: the console script's entry ends the process itself
+    if os.getpid() != MAIN_PID:
+        return
     stages["import"] = T1 - T0
+    if os.path.exists(out_file + ".loop"):
+        with open(out_file + ".loop") as handle:
+            for line in handle:
+                spent, requests = line.split()
+                loop["s"] += float(spent)
+                loop["requests"] += int(requests)
     with open(out_file, "w") as handle:
         json.dump({"stages": stages, "loop": loop, "inside_s": ended["at"] - T0,
                    "code": ended["code"], "peak_rss_kib": peak_rss_kib()}, handle)

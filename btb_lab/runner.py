@@ -45,6 +45,7 @@ from btb_lab.registry import Registry
 from btb_lab.workload.loader import load_requests
 
 if TYPE_CHECKING:
+    from btb_lab import workers
     from btb_lab.analysis.models import Summary, Verdict
 from btb_lab.results import (
     MANIFEST,
@@ -117,6 +118,9 @@ class RunOptions:
     results_root: Path = Path("results")
     # where each override came from, for error messages (`--set repeats`, a sweep line)
     origins: dict[str, str] = field(default_factory=dict)
+    # a repeat's variants at once, each in a worker process, on a backend whose runs share
+    # nothing (the simulator): at most this many; 0 = one per core; 1 = one after another
+    jobs: int = 1
 
 
 @dataclass
@@ -289,8 +293,11 @@ def _now() -> str:
 class _Progress:
     """Rich progress (variant, repeat, requests done, ETA), or nothing."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, *, threaded: bool = True) -> None:
         self.enabled = enabled
+        # unthreaded: redrawn on each update instead of by a refresh thread, so that the
+        # process can fork workers (a fork copies no thread, and no lock one held)
+        self.threaded = threaded
         self._progress: Any = None
 
     def __enter__(self) -> _Progress:
@@ -307,7 +314,7 @@ class _Progress:
             self._progress = Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("requests"), TimeElapsedColumn(), TextColumn("ETA"),
-                TimeRemainingColumn(), transient=False,
+                TimeRemainingColumn(), transient=False, auto_refresh=self.threaded,
             )  # fmt: skip
             self._progress.__enter__()
         return self
@@ -328,7 +335,7 @@ class _Progress:
             if done < total_now and now - last[0] < 0.1:
                 return
             last[0] = now
-            progress.update(task_id, completed=done, total=total_now)
+            progress.update(task_id, completed=done, total=total_now, refresh=not self.threaded)
 
         return update
 
@@ -362,6 +369,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     # topology that does not fit fails here, not after the first variant ran).
     worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
+    jobs = _jobs(options.jobs, backend, len(plan.variants))
     first_requests = _load_requests(loaded, first_seed)
     versions = _versions()
     if plan.backend == "sim":
@@ -376,7 +384,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
         with terminate_interrupts():
             manifest = _new_manifest(run_dir, options, plan, len(first_requests), versions)
             _open_run_dir(run_dir, manifest)
-            with _Progress(options.progress) as progress:
+            with _Progress(options.progress, threaded=jobs == 1) as progress:
                 repeat = 0
                 planned = plan.repeats
                 while True:
@@ -386,9 +394,8 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
                     else:
                         requests = _load_requests(loaded, workload_seed)
                     manifest.requests_per_run = len(requests)
-                    for name in plan.variants:
-                        _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir,
-                                 manifest, progress, workload_seed)  # fmt: skip
+                    _run_repeat(backend, hyp, worlds, plan.variants, repeat, requests, run_dir,
+                                manifest, progress, workload_seed, jobs)  # fmt: skip
                     repeat += 1
                     if repeat >= planned:
                         planned = _repeats_needed(hyp, plan.variants, run_dir, manifest, repeat)
@@ -633,6 +640,95 @@ def _variant_world(
     return resolved, build_cost_model(resolved, base_dir)
 
 
+def _jobs(jobs: int, backend: Backend, variants: int) -> int:
+    """How many of a repeat's variants run at once: 1 unless the backend's runs share
+    nothing (`parallel_variants`) and this process can fork; 0 means one per core."""
+    from btb_lab import workers
+
+    if not getattr(backend, "parallel_variants", False) or not workers.can_fork():
+        return 1
+    return max(1, min(jobs or workers.cores(), variants))
+
+
+def _run_repeat(
+    backend: Backend,
+    hyp: Hypothesis,
+    worlds: dict[str, tuple[Hypothesis, RooflineCostModel]],
+    names: list[str],
+    repeat: int,
+    requests: list[Request],
+    run_dir: Path,
+    manifest: Manifest,
+    progress: _Progress,
+    workload_seed: int,
+    jobs: int,
+) -> None:
+    """Every variant of one repeat: one after another, or (`jobs` > 1) each in a worker
+    process, at most `jobs` at a time (`workers`): the same records and manifest."""
+    if jobs <= 1:
+        for name in names:
+            _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir, manifest,
+                     progress, workload_seed)  # fmt: skip
+        return
+    from btb_lab import workers
+
+    def task(name: str) -> workers.Task:
+        entry = _new_entry(hyp, name, repeat, requests, workload_seed)
+
+        def start() -> Callable[[int, int], None]:
+            manifest.runs.append(entry)
+            manifest.save(run_dir)
+            return progress.task(_progress_label(hyp, name, repeat), len(requests))
+
+        def work(sent: workers.WorkerProgress) -> dict[str, Any]:
+            # this process's copy of the manifest: the parent saves the one on disk
+            def answer() -> dict[str, Any]:
+                return {"entry": entry.model_dump(mode="json"),
+                        "fidelity": manifest.fidelity.get(name),
+                        "telemetry_source": manifest.telemetry_source}  # fmt: skip
+
+            try:
+                _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir, manifest,
+                         sent, workload_seed, entry=entry, save=lambda: None)  # fmt: skip
+            except BaseException as exc:
+                exc.answer = answer()  # type: ignore[attr-defined]
+                raise
+            return answer()
+
+        def done(answer: dict[str, Any] | None, died: str) -> None:
+            if answer is None:
+                entry.status = "failed"
+                entry.error = died
+                entry.finished = _now()
+            else:
+                at = next(i for i, e in enumerate(manifest.runs) if e is entry)
+                manifest.runs[at] = RunEntry.model_validate(answer["entry"])
+                if answer["fidelity"] is not None:
+                    manifest.fidelity[name] = answer["fidelity"]
+                if answer["entry"]["status"] == "ok":
+                    manifest.telemetry_source = answer["telemetry_source"]
+            manifest.save(run_dir)
+
+        return workers.Task(start=start, work=work, done=done)
+
+    workers.run_tasks([task(name) for name in names], jobs)
+
+
+def _new_entry(
+    hyp: Hypothesis, name: str, repeat: int, requests: list[Request], workload_seed: int
+) -> RunEntry:
+    return RunEntry(
+        variant=name, repeat=repeat, seed=derive_seed(hyp.seed, "variant", repeat, name),
+        workload_seed=workload_seed, requests=len(requests), status="running", started=_now(),
+    )  # fmt: skip
+
+
+def _progress_label(hyp: Hypothesis, name: str, repeat: int) -> str:
+    return f"{name} r{repeat + 1}/" + (
+        f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)
+    )
+
+
 def _run_one(
     backend: Backend,
     hyp: Hypothesis,
@@ -642,16 +738,20 @@ def _run_one(
     requests: list[Request],
     run_dir: Path,
     manifest: Manifest,
-    progress: _Progress,
+    progress: _Progress | workers.WorkerProgress,
     workload_seed: int,
+    *,
+    entry: RunEntry | None = None,
+    save: Callable[[], None] | None = None,
 ) -> None:
-    seed = derive_seed(hyp.seed, "variant", repeat, name)
-    entry = RunEntry(
-        variant=name, repeat=repeat, seed=seed, workload_seed=workload_seed,
-        requests=len(requests), status="running", started=_now(),
-    )  # fmt: skip
-    manifest.runs.append(entry)
-    manifest.save(run_dir)
+    """One variant × repeat; its entry is added to the manifest, which `save` writes
+    (a worker passes its entry, already in the parent's manifest, and saves nothing)."""
+    save = save or (lambda: manifest.save(run_dir))
+    if entry is None:
+        entry = _new_entry(hyp, name, repeat, requests, workload_seed)
+        manifest.runs.append(entry)
+        save()
+    seed = entry.seed
     sink: JsonlRecordSink | ArrowRecordSink | None = None
     try:
         sink = RECORD_SINKS[getattr(backend, "record_format", "jsonl")](run_dir, name, repeat)
@@ -659,11 +759,7 @@ def _run_one(
         ctx = RunContext(
             hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
             seed=seed, run_dir=run_dir, sink=sink, costs=costs,
-            progress=progress.task(
-                f"{name} r{repeat + 1}/"
-                + (f"≤{hyp.auto_repeats.max}" if hyp.auto_repeats else str(hyp.repeats)),
-                len(requests),
-            ),
+            progress=progress.task(_progress_label(hyp, name, repeat), len(requests)),
         )  # fmt: skip
         result = backend.run_variant(ctx, list(requests))
     except KeyboardInterrupt:
@@ -691,7 +787,7 @@ def _run_one(
         finally:
             entry.records = sink.count if sink is not None else 0
             entry.finished = _now()
-            manifest.save(run_dir)
+            save()
     write_utilization_part(run_dir, name, repeat, result.utilization)
     write_events_part(run_dir, name, repeat, result.events)
     entry.status = "ok"
@@ -699,7 +795,7 @@ def _run_one(
     manifest.telemetry_source = result.telemetry_source
     if result.extra:
         entry.extra = result.extra
-    manifest.save(run_dir)
+    save()
 
 
 def _record_crash(entry: RunEntry, exc: Exception, run_dir: Path) -> None:

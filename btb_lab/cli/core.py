@@ -153,11 +153,20 @@ def register(app: typer.Typer) -> None:
             [], "--set", help="Override any field: dotted.path=value (YAML value)."
         ),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress display."),
+        jobs: int = typer.Option(
+            0,
+            "--jobs",
+            envvar="BTB_LAB_JOBS",
+            help="Simulator: how many of a repeat's variants run at once, each in a worker "
+            "process (the same records); 0: one per core, 1: one after another.",
+        ),
     ) -> None:
         """Run every variant × repeat, store the results, print the summary and verdict."""
         from btb_lab.interrupts import exit_code
         from btb_lab.runner import RunInterrupted, RunOptions, run_hypothesis
 
+        if jobs < 0:
+            raise UserError(f"--jobs must be 0 (one per core) or more (got {jobs})")
         overrides, origins = _parse_set(set_)
         backends = [b.strip() for b in (backend or "").split(",") if b.strip()]
         options = RunOptions(
@@ -165,7 +174,7 @@ def register(app: typer.Typer) -> None:
             requests=requests,
             time_scale=time_scale, seed=seed, dry_run=dry_run,
             variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
-            progress=not no_progress, overrides=overrides, origins=origins,
+            progress=not no_progress, overrides=overrides, origins=origins, jobs=jobs,
         )  # fmt: skip
         if len(backends) > 1:
             from btb_lab.crosscheck import run_crosscheck

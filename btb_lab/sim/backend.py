@@ -232,6 +232,9 @@ class SimBackend:
     """Backend "sim": the embedded discrete-event simulator."""
 
     name = "sim"
+    # a variant's run shares nothing with another's (its own engine, policy and record
+    # sink), so a repeat's variants may run at once in worker processes (`workers`)
+    parallel_variants = True
     # binary parts: JSON text of the records' floats cost more than simulating them
     record_format = "arrow"
 

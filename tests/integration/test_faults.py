@@ -125,6 +125,57 @@ def test_a_stopped_run_keeps_its_records_and_report_explains_it(
     assert not [p.name for p in run_dir.glob("*.tmp") if sig != signal.SIGKILL]
 
 
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (a harness and its forked workers)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
+                         ids=["INT", "TERM", "KILL"])  # fmt: skip
+def test_a_run_stopped_while_its_variants_run_in_workers_keeps_what_each_wrote(
+    tmp_path: Path, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both variants in worker processes (`--jobs 2`), each stopped after its first 100
+    records: the signal to the run (Ctrl-C, SIGTERM, or SIGKILL) stops every worker; each
+    one's records stay on disk, and its manifest entry says how it ended."""
+    if not Path("/proc/self/cmdline").exists():
+        pytest.skip("needs /proc")
+    monkeypatch.setenv("BTB_LAB_JOBS", "2")
+    hyp = write_small(tmp_path, **BIG)
+    run_dir = tmp_path / "run"
+    code, output, written = stop_at("records:100", sig, "run", hyp, "--no-progress", "--out",
+                                    run_dir, tmp_path=tmp_path)  # fmt: skip
+    assert code == EXIT[sig], output
+    assert "Traceback" not in output
+    deadline = time.monotonic() + 10  # a killed run's workers die with it
+    while _processes_with(str(tmp_path / "marker")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _processes_with(str(tmp_path / "marker"))
+    stored = manifest(run_dir)
+    assert [r["variant"] for r in stored["runs"]] == ["base", "fast"]  # both started
+    on_disk = parts_records(run_dir)
+    assert on_disk >= written >= 100
+    if sig == signal.SIGKILL:
+        assert {r["status"] for r in stored["runs"]} == {"running"}  # what the parent saved
+    else:
+        assert stored["interrupted"] is True
+        assert stored["complete"] is False
+        assert {r["status"] for r in stored["runs"]} == {"interrupted"}
+        assert sum(r["records"] for r in stored["runs"]) == on_disk
+        assert "interrupted: finished records kept in" in output
+    summary, report = explained(run_dir)
+    assert sum(v["all"]["n"] for v in summary["variants"].values()) == on_disk
+    assert "INCOMPLETE RUN" in report
+    assert not [p.name for p in run_dir.glob("*.tmp") if sig != signal.SIGKILL]
+
+
 # ----------------------------------------------------------------------------- sweeps
 
 SWEEP = "name: s\nbase: hs.yaml\ngrid:\n  seed: [1, 2, 3]\n"
@@ -183,9 +234,12 @@ def test_sigterm_stops_the_points_a_parallel_sweep_is_running(tmp_path: Path) ->
 # ------------------------------------------------------------------ full or read-only disk
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
 def test_disk_full_injected_exits_2_and_leaves_an_explained_directory(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, jobs: int
 ) -> None:
+    """Each variant's second record write meets a full disk: one after another the run
+    stops at the first variant; in two workers (`--jobs 2`) each wrote its first batch."""
 
     write = store.ArrowRecordSink.write
 
@@ -197,14 +251,15 @@ def test_disk_full_injected_exits_2_and_leaves_an_explained_directory(
     monkeypatch.setattr(store.ArrowRecordSink, "write", full)
     monkeypatch.setattr("btb_lab.sim.backend._WRITE_BATCH", 100)
     hyp = write_small(tmp_path, **BIG)
-    result = cli("run", hyp, "--no-progress", "--out", tmp_path / "run")
+    result = cli("run", hyp, "--no-progress", "--out", tmp_path / "run", "--jobs", jobs)
     assert result.code == 2, result.output
     assert not result.traceback, result.output
     assert f"no space left on {tmp_path / 'run'}" in result.err
     monkeypatch.undo()
     stored = manifest(tmp_path / "run")
     assert stored["error"] == f"no space left on {tmp_path / 'run'}"
-    assert parts_records(tmp_path / "run") == 100
+    assert parts_records(tmp_path / "run") == 100 * jobs
+    assert [r["status"] for r in stored["runs"]] == ["failed"] * jobs
     assert not list((tmp_path / "run").glob("*.tmp"))
     summary, report = explained(tmp_path / "run")
     assert "RUN FAILED" in report

@@ -31,6 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "yamlio": {"errors"},
     "redact": set(),
     "interrupts": set(),
+    # forked workers for a repeat's variants (the runner's; it knows no stage)
+    "workers": set(),
     "config": set(),
     "workload": {"config"},
     "model": {"config"},
@@ -44,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     "report": {"config", "results", "analysis"},
     "runner": {
         "config", "workload", "model", "policies", "hypothesis", "backends", "results",
-        "sim", "cluster", "analysis", "report",
+        "sim", "cluster", "analysis", "report", "workers",
     },
     # calibrate measures a real engine (cluster) or, where none can be measured, fits a
     # profile to published figures against simulator runs (sim, with the runner's seeds)

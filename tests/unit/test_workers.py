@@ -1,0 +1,182 @@
+"""A repeat's variants in forked workers (`btb_lab.workers`, `btb-lab run --jobs`): the
+same records, manifest and report as one after another, progress and answers back to the
+parent, and a worker that fails or dies recorded as such."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from btb_lab import workers
+from btb_lab.errors import UserError
+from tests.helpers import cli, write_small
+
+
+def _task(work: Any, log: list[Any]) -> workers.Task:
+    def start() -> Any:
+        log.append(("start", os.getpid()))
+        return lambda done, total: log.append(("progress", done, total))
+
+    return workers.Task(start=start, work=work,
+                        done=lambda answer, died: log.append(("done", answer, died)))  # fmt: skip
+
+
+def test_workers_answer_in_task_order_with_their_progress() -> None:
+    log: list[Any] = []
+
+    def work(n: int) -> Any:
+        def run(progress: workers.WorkerProgress) -> Any:
+            update = progress.task("x", 10)
+            update(10, 10)  # the last update is always sent
+            return {"n": n, "pid": os.getpid()}
+
+        return run
+
+    workers.run_tasks([_task(work(n), log) for n in range(3)], jobs=2)
+    done = [entry for entry in log if entry[0] == "done"]
+    assert [answer["n"] for _, answer, _ in done] == [0, 1, 2]
+    assert all(died == "" for _, _, died in done)
+    assert len({answer["pid"] for _, answer, _ in done} | {os.getpid()}) == 4  # own processes
+    assert log.count(("progress", 10, 10)) == 3
+    with pytest.raises(ChildProcessError):  # every worker was reaped
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_the_first_failing_task_in_order_is_raised_after_every_answer() -> None:
+    log: list[Any] = []
+
+    def ok(progress: workers.WorkerProgress) -> Any:
+        return "fine"
+
+    def mistake(progress: workers.WorkerProgress) -> Any:
+        raise UserError("variant b: bad parameter")
+
+    def disk(progress: workers.WorkerProgress) -> Any:
+        raise OSError(28, "No space left on device", "/x/parts")
+
+    with pytest.raises(UserError, match="variant b: bad parameter") as info:
+        workers.run_tasks([_task(ok, log), _task(mistake, log), _task(disk, log)], jobs=3)
+    assert info.value.exit_code == 2
+    assert [entry[1] for entry in log if entry[0] == "done"] == ["fine", None, None]
+    with pytest.raises(OSError, match="No space") as raised:
+        workers.run_tasks([_task(disk, [])], jobs=1)
+    assert raised.value.errno == 28
+
+
+def test_a_worker_that_dies_is_reported_and_the_others_finish() -> None:
+    log: list[Any] = []
+
+    def killed(progress: workers.WorkerProgress) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def ok(progress: workers.WorkerProgress) -> Any:
+        return "fine"
+
+    workers.run_tasks([_task(killed, log), _task(ok, log)], jobs=2)
+    done = [entry for entry in log if entry[0] == "done"]
+    assert done[0] == ("done", None, "its worker process died before it answered")
+    assert done[1] == ("done", "fine", "")
+
+
+def _frames(run_dir: Path) -> dict[str, pd.DataFrame]:
+    return {name: pd.read_parquet(run_dir / f"{name}.parquet")
+            for name in ("requests", "events", "utilization")}  # fmt: skip
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    run_tasks = workers.run_tasks
+
+    def counted(tasks: list[workers.Task], jobs: int) -> None:
+        calls.append(jobs)
+        run_tasks(tasks, jobs)
+
+    monkeypatch.setattr(workers, "run_tasks", counted)
+    return calls
+
+
+def test_variants_in_workers_give_the_run_of_one_after_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two repeats of two variants, with the progress display on (redrawn without a
+    thread, so the process may fork): the records, events, utilization, plots, summary
+    and the manifest's runs are those of `--jobs 1`."""
+    if not workers.can_fork():
+        pytest.skip("this process cannot fork workers")
+    calls = _counting(monkeypatch)
+    path = write_small(tmp_path, **{"repeats: 1": "repeats: 2"})
+    one = cli("run", path, "--out", tmp_path / "one", "--jobs", "1")
+    assert one.code == 0, one.output
+    assert calls == []
+    two = cli("run", path, "--out", tmp_path / "two", "--jobs", "2")
+    assert two.code == 0, two.output
+    assert calls == [2, 2]  # each repeat's two variants at once
+    for name, frame in _frames(tmp_path / "one").items():
+        pd.testing.assert_frame_equal(frame, _frames(tmp_path / "two")[name], obj=name)
+    plots = sorted(p.name for p in (tmp_path / "one" / "plots").glob("*.png"))
+    assert plots
+    for name in plots:
+        assert (tmp_path / "one" / "plots" / name).read_bytes() == (
+            tmp_path / "two" / "plots" / name
+        ).read_bytes(), name
+    stored = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two")]
+    keep = ("variant", "repeat", "seed", "workload_seed", "requests", "status", "records",
+            "extra")  # fmt: skip
+    runs = [[{k: r[k] for k in keep} for r in m["runs"]] for m in stored]
+    assert runs[0] == runs[1]
+    assert [(r["variant"], r["repeat"]) for r in stored[1]["runs"]] == [
+        ("base", 0),
+        ("fast", 0),
+        ("base", 1),
+        ("fast", 1),
+    ]
+    assert stored[0]["fidelity"] == stored[1]["fidelity"]
+    assert stored[1]["complete"] is True
+    assert stored[1]["cli"]["options"]["jobs"] == 2
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two")]
+    assert summaries[0]["variants"] == summaries[1]["variants"]
+    assert summaries[0]["verdict"] == summaries[1]["verdict"]
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_a_variant_whose_worker_dies_is_a_failed_run_and_the_others_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not workers.can_fork():
+        pytest.skip("this process cannot fork workers")
+    from btb_lab.sim.backend import SimBackend
+
+    run_variant = SimBackend.run_variant
+
+    def dies_on_fast(self: SimBackend, ctx: Any, requests: Any) -> Any:
+        if ctx.variant_name == "fast":
+            os.kill(os.getpid(), signal.SIGKILL)  # out of memory, say
+        return run_variant(self, ctx, requests)
+
+    monkeypatch.setattr(SimBackend, "run_variant", dies_on_fast)
+    result = cli("run", write_small(tmp_path), "--no-progress", "--out", tmp_path / "run",
+                 "--jobs", "2")  # fmt: skip
+    assert not result.traceback, result.output
+    stored = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    status = {r["variant"]: (r["status"], r["error"]) for r in stored["runs"]}
+    assert status == {
+        "base": ("ok", None),
+        "fast": ("failed", "its worker process died before it answered"),
+    }
+    assert stored["complete"] is True  # every planned run ended; one of them failed
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["variants"]["base"]["all"]["n"] == 60
+    assert summary["verdict"]["word"] == "INCONCLUSIVE"
+
+
+def test_jobs_below_zero_is_refused(tmp_path: Path) -> None:
+    result = cli("run", write_small(tmp_path), "--jobs", "-1")
+    assert result.code == 2
+    assert "--jobs must be 0 (one per core) or more" in result.err
