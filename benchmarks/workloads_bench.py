@@ -16,8 +16,10 @@ Every run is a fresh process; the figures per run:
   printing), start+exit (the interpreter's start, and its teardown where the checkout's
   console script has one);
 - in-loop: simulated requests per second inside the engine's event loop (the record
-  sink's time taken out), its seconds summed over the variants' worker processes where
-  the run has them (`btb-lab run --jobs`, one per core by default), so a per-core rate.
+  sink's time taken out): per second of the time any loop was running, where the
+  variants' loops run side by side in worker processes (`btb-lab run --jobs`, one per
+  core by default); and per core, per second of each loop's own time (the same figure
+  when the loops run one after another).
 
 Several checkouts (`--code DIR`, e.g. a pre-change checkout) run side by side, their
 runs interleaved, each process with that checkout first on `PYTHONPATH` and a shared
@@ -201,7 +203,7 @@ import sys, time
 T0 = time.perf_counter()
 import importlib.abc, importlib.util, json, os
 stages = {"load": 0.0, "simulate": 0.0, "finish": 0.0, "analyse": 0.0, "report": 0.0}
-loop = {"s": 0.0, "requests": 0}
+calls = []  # (start, end, sink seconds, requests) of each engine loop
 out_file, argv = sys.argv[1], sys.argv[2:]
 MAIN_PID = os.getpid()
 
@@ -225,13 +227,13 @@ def engine_loop(fn):
             sink[0] += time.perf_counter() - start
         start = time.perf_counter()
         result = fn(costs, settings, policy, requests, timed_emit, *args, **kwargs)
-        spent = time.perf_counter() - start - sink[0]
+        call = (start, time.perf_counter(), sink[0], len(requests))
         if os.getpid() == MAIN_PID:
-            loop["s"] += spent
-            loop["requests"] += len(requests)
-        else:  # a variant's worker process (`run --jobs`): its figures through a file
+            calls.append(call)
+        else:  # a variant's worker process (`run --jobs`): its loop through a file (the
+            # monotonic clock is the system's, so its times line up with this process's)
             with open(out_file + ".loop", "a") as handle:
-                handle.write(f"{spent} {len(requests)}\n")
+                handle.write(" ".join(map(str, call)) + "\n")
         return result
     return wrapper
 
@@ -300,9 +302,18 @@ def write_out():  # an exit handler: the console script's entry ends the process
     if os.path.exists(out_file + ".loop"):
         with open(out_file + ".loop") as handle:
             for line in handle:
-                spent, requests = line.split()
-                loop["s"] += float(spent)
-                loop["requests"] += int(requests)
+                start, end, sink, requests = line.split()
+                calls.append((float(start), float(end), float(sink), int(requests)))
+    # per core: each loop's own seconds, the record sink's taken out; wall: the time any
+    # loop was running (loops side by side in workers count once), less the same share
+    busy = sum(end - start - sink for start, end, sink, _ in calls)
+    spans = sum(end - start for start, end, _, _ in calls)
+    union, reach = 0.0, float("-inf")
+    for start, end, _, _ in sorted(calls):
+        union += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    loop = {"s": union * busy / spans if spans > 0 else 0.0, "cpu_s": busy,
+            "requests": sum(c[3] for c in calls)}
     with open(out_file, "w") as handle:
         json.dump({"stages": stages, "loop": loop, "inside_s": ended["at"] - T0,
                    "code": ended["code"], "peak_rss_kib": peak_rss_kib()}, handle)
@@ -320,7 +331,8 @@ class Run:
     rss_mib: float
     tree_pss_mib: float  # the process and its children, sampled (`_PssSampler`)
     stages: dict[str, float | None]
-    loop_rps: float | None
+    loop_rps: float | None  # simulated requests per second of the loops' wall time
+    loop_core_rps: float | None  # per second of each loop's own time (one core's rate)
     requests: int
 
 
@@ -335,7 +347,7 @@ class Series:
 
 
 def _value(run: Run, key: str) -> float | None:
-    if key in ("whole_s", "rss_mib", "tree_pss_mib", "loop_rps"):
+    if key in ("whole_s", "rss_mib", "tree_pss_mib", "loop_rps", "loop_core_rps"):
         value: float | None = getattr(run, key)
         return value
     return run.stages.get(key)
@@ -433,6 +445,7 @@ def one_run(code: Path, hypothesis: Path, work: Path) -> Run:
         tree_pss_mib=data["tree_pss_kib"] / 1024,
         stages=stages,
         loop_rps=loop["requests"] / loop["s"] if loop["s"] > 0 else None,
+        loop_core_rps=loop["requests"] / loop["cpu_s"] if loop["cpu_s"] > 0 else None,
         requests=loop["requests"],
     )
 
@@ -526,7 +539,7 @@ def report(cases: list[Case], codes: list[Path], results: dict[str, dict[str, Se
             header += "".join(f"{'×' + label:>12}" for label in labels[1:])
         print(header)
         rows = [("whole (s)", "whole_s", 2), ("in-loop req/s", "loop_rps", 0),
-                ("peak RSS (MiB)", "rss_mib", 0),
+                ("  per core", "loop_core_rps", 0), ("peak RSS (MiB)", "rss_mib", 0),
                 ("tree PSS (MiB)", "tree_pss_mib", 0)]  # fmt: skip
         rows += [(f"  {stage} (s)", stage, 2) for stage in STAGES]
         for title, key, digits in rows:
@@ -536,7 +549,7 @@ def report(cases: list[Case], codes: list[Path], results: dict[str, dict[str, Se
                 base = medians[0]
                 if m is None or base is None or m == 0 or base == 0:
                     line += f"{'—':>12}"
-                elif key == "loop_rps":
+                elif key in ("loop_rps", "loop_core_rps"):
                     line += f"{m / base:>11.2f}×"
                 else:
                     line += f"{base / m:>11.2f}×"  # how many times faster (or smaller)
