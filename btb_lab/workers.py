@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,9 +117,34 @@ def _die_with_parent(parent: int) -> None:
 _PR_SET_PDEATHSIG = 1
 
 
-def _worker(task: Task, fd: int, parent: int) -> None:
-    """The worker's body: its first Ctrl-C or SIGTERM stops the run (as in the parent);
-    later ones are ignored while it answers."""
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _noted_stops() -> Iterator[list[int]]:
+    """While the parent runs workers, Ctrl-C and SIGTERM are noted (the list yielded)
+    instead of raised, so a stop never lands between a fork and the worker's
+    registration, nor in the middle of an answer being read or the manifest saved; the
+    handlers before are put back after (a Ctrl-C that the process ignores stays ignored).
+    A signal mask would not do: a process-wide signal goes to any thread that does not
+    block it (pyarrow's among them), and Python then runs the handler in this one."""
+    received: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in _STOPS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _worker(task: Task, fd: int, parent: int, received: list[int]) -> None:
+    """The worker's body: its first Ctrl-C or SIGTERM stops the run, as in the parent
+    (one noted before its handlers were in place included); later ones are ignored while
+    it answers. A worker of a run that ignores Ctrl-C (started in the background) ignores
+    it too."""
     _die_with_parent(parent)
 
     def stop(signum: int, frame: object) -> None:
@@ -127,11 +152,14 @@ def _worker(task: Task, fd: int, parent: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    for sig in _STOPS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, stop)
     raised: dict[str, Any] | None = None
     answer: Any = None
     try:
+        if received:  # noted by the handler this process was forked with
+            stop(received[0], None)
         answer = task.work(WorkerProgress(fd))
     except BaseException as exc:  # every way out is sent to the parent
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -173,61 +201,61 @@ def _rebuild(raised: dict[str, Any]) -> BaseException:
 def run_tasks(tasks: list[Task], jobs: int) -> None:
     """Run `tasks` in forked workers, at most `jobs` at a time, started in order; raise
     what the first of them (in order) raised, once every started worker has answered. A
-    Ctrl-C or SIGTERM in the parent starts no further task and stops the running ones."""
+    Ctrl-C or SIGTERM in the parent starts no further task and stops the running ones.
+
+    The stop is raised as the process's own handler raises it (`_noted_stops`), once
+    every worker has answered; a second stop does not wait for them."""
     selector = selectors.DefaultSelector()
     pending = list(tasks)
     running: dict[int, _Running] = {}
     finished: list[_Running] = []
-    stopped: KeyboardInterrupt | None = None
-    try:
-        while pending or running:
-            try:
-                while pending and len(running) < jobs and stopped is None:
-                    worker = _start(len(tasks) - len(pending), pending.pop(0))
+    stop: int | None = None
+    with _noted_stops() as received:
+        try:
+            while pending or running:
+                while pending and len(running) < jobs and stop is None:
+                    worker = _start(len(tasks) - len(pending), pending.pop(0), received)
                     running[worker.fd] = worker
                     selector.register(worker.fd, selectors.EVENT_READ)
                 if not running:
                     break
-                for key, _ in selector.select():
+                ready = selector.select(timeout=_PROGRESS_EVERY_S)
+                if received and stop is None:  # forwarded: a Ctrl-C reached them already
+                    stop = received[0]
+                    pending.clear()
+                    for worker in running.values():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(worker.pid, stop)
+                elif len(received) > 1:  # a second stop: the workers are not waited for
+                    break
+                for key, _ in ready:
                     worker = running[key.fd]
                     if not _read(worker):
                         selector.unregister(key.fd)
                         del running[key.fd]
                         _reap(worker)
                         finished.append(worker)
-            except KeyboardInterrupt as exc:
-                if stopped is not None:  # a second stop: the workers are not waited for
-                    for worker in running.values():
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(worker.pid, signal.SIGKILL)
-                    raise
-                stopped = exc
-                pending.clear()
-                signum = int(getattr(exc, "signum", signal.SIGINT))
-                for worker in running.values():  # Ctrl-C reached them already: ignored
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(worker.pid, signum)
-    finally:
-        for worker in running.values():  # only after a second stop or a parent's error
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.close(worker.fd)
-            _reap(worker)
-            finished.append(worker)
-        selector.close()
-        finished.sort(key=lambda w: w.order)
-        for worker in finished:
-            died = "" if worker.answered else "its worker process died before it answered"
-            worker.task.done(worker.answer if worker.answered else None, died)
-    if stopped is not None:
-        raise stopped
+        finally:
+            for worker in running.values():  # after a second stop or an error here only
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.close(worker.fd)
+                _reap(worker)
+                finished.append(worker)
+            selector.close()
+            finished.sort(key=lambda w: w.order)
+            for worker in finished:
+                died = "" if worker.answered else "its worker process died before it answered"
+                worker.task.done(worker.answer if worker.answered else None, died)
+    if stop is not None:  # the process's own handler, back in place, raises it (or dies)
+        signal.raise_signal(stop)
     for worker in finished:
         if worker.raised is not None:
             raise _rebuild(worker.raised)
 
 
-def _start(order: int, task: Task) -> _Running:
+def _start(order: int, task: Task, received: list[int]) -> _Running:
     progress = task.start()
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
@@ -241,7 +269,7 @@ def _start(order: int, task: Task) -> _Running:
         code = 1
         try:
             os.close(read_fd)
-            _worker(task, write_fd, parent)
+            _worker(task, write_fd, parent, received)
             code = 0
         finally:
             os._exit(code)
