@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from btb_lab import __version__
+from btb_lab import __version__, workers
 from btb_lab.backends import Backend, RunContext
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.limits import MAX_UTIL_SAMPLES
@@ -45,7 +45,6 @@ from btb_lab.registry import Registry
 from btb_lab.workload.loader import load_requests
 
 if TYPE_CHECKING:
-    from btb_lab import workers
     from btb_lab.analysis.models import Summary, Verdict
 from btb_lab.results import (
     MANIFEST,
@@ -643,8 +642,6 @@ def _variant_world(
 def _jobs(jobs: int, backend: Backend, variants: int) -> int:
     """How many of a repeat's variants run at once: 1 unless the backend's runs share
     nothing (`parallel_variants`) and this process can fork; 0 means one per core."""
-    from btb_lab import workers
-
     if not getattr(backend, "parallel_variants", False) or not workers.can_fork():
         return 1
     return max(1, min(jobs or workers.cores(), variants))
@@ -670,7 +667,6 @@ def _run_repeat(
             _run_one(backend, hyp, worlds[name], name, repeat, requests, run_dir, manifest,
                      progress, workload_seed)  # fmt: skip
         return
-    from btb_lab import workers
 
     def task(name: str) -> workers.Task:
         entry = _new_entry(hyp, name, repeat, requests, workload_seed)
