@@ -101,6 +101,10 @@ def _send(fd: int, line: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+_PR_SET_PDEATHSIG = 1
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _die_with_parent(parent: int) -> None:
     """Linux: this worker is killed when the parent dies (SIGKILL of the run kills its
     workers too, as it would a run in one process, instead of leaving them running)."""
@@ -114,10 +118,9 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-_STOPS = (signal.SIGINT, signal.SIGTERM)
+def _ignore_stops() -> None:
+    for sig in _STOPS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
@@ -148,8 +151,7 @@ def _worker(task: Task, fd: int, parent: int, received: list[int]) -> None:
     _die_with_parent(parent)
 
     def stop(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_stops()
         raise Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt
 
     for sig in _STOPS:
@@ -162,8 +164,7 @@ def _worker(task: Task, fd: int, parent: int, received: list[int]) -> None:
             stop(received[0], None)
         answer = task.work(WorkerProgress(fd))
     except BaseException as exc:  # every way out is sent to the parent
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_stops()
         answer = getattr(exc, "answer", None)
         raised = _describe(exc)
     with contextlib.suppress(Exception):
