@@ -1,5 +1,6 @@
 /* The compiled block-id hash: `stable_hashes63` of btb_lab/workload/hashing.py without a
- * hashlib object, a digest bytes object and an int.from_bytes call per id.
+ * hashlib object, a digest bytes object and an int.from_bytes call per id; and the loader's
+ * two per-id loops (`interned`, `rows_of_ids`, used by btb_lab/workload/columnar.py).
  *
  * BLAKE2b with an 8-byte digest and no key, as RFC 7693 defines it (the same function as
  * hashlib.blake2b(data, digest_size=8)); the digest read big-endian and masked to 63 bits,
@@ -148,14 +149,105 @@ fail:
     return NULL;
 }
 
+/* interned(table, values) -> list: table.setdefault(v, v) for each of `values` (a list),
+ * without a method call per value: each distinct id of a file becomes one object. */
+static PyObject *interned(PyObject *self, PyObject *args) {
+    PyObject *table, *values;
+    if (!PyArg_ParseTuple(args, "O!O!:interned", &PyDict_Type, &table, &PyList_Type, &values))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(values);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyList_GET_ITEM(values, i);
+        PyObject *kept = PyDict_SetDefault(table, value, value); /* borrowed */
+        if (kept == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_INCREF(kept);
+        PyList_SET_ITEM(out, i, kept);
+    }
+    return out;
+}
+
+static int int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "rows_of_ids: %s must be a contiguous int64 array", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* rows_of_ids(ids, indices, bounds) -> list[tuple]: row r is the tuple of ids[indices[k]]
+ * for k in bounds[r]..bounds[r+1]: a batch's rows of block ids, every occurrence of an id
+ * the one object in `ids`, without a flat tuple, a slice per row and a numpy object array
+ * in between. `indices` and `bounds` are int64 arrays; both are checked. */
+static PyObject *rows_of_ids(PyObject *self, PyObject *args) {
+    PyObject *ids, *indices_obj, *bounds_obj;
+    if (!PyArg_ParseTuple(args, "O!OO:rows_of_ids", &PyList_Type, &ids, &indices_obj,
+                          &bounds_obj))
+        return NULL;
+    Py_buffer iv, bv;
+    if (int64_buffer(indices_obj, &iv, "indices") < 0) return NULL;
+    if (int64_buffer(bounds_obj, &bv, "bounds") < 0) {
+        PyBuffer_Release(&iv);
+        return NULL;
+    }
+    const int64_t *index = (const int64_t *)iv.buf, *bound = (const int64_t *)bv.buf;
+    Py_ssize_t n_ids = PyList_GET_SIZE(ids), n_index = iv.len / 8, n_bounds = bv.len / 8;
+    Py_ssize_t rows = n_bounds > 0 ? n_bounds - 1 : 0;
+    PyObject *out = NULL;
+    for (Py_ssize_t r = 0; r < n_bounds; r++) {
+        if (bound[r] < 0 || bound[r] > n_index || (r > 0 && bound[r] < bound[r - 1])) {
+            PyErr_SetString(PyExc_ValueError, "rows_of_ids: bounds out of order or range");
+            goto done;
+        }
+    }
+    for (Py_ssize_t k = 0; k < n_index; k++) {
+        if (index[k] < 0 || index[k] >= n_ids) {
+            PyErr_SetString(PyExc_ValueError, "rows_of_ids: an index out of range");
+            goto done;
+        }
+    }
+    out = PyList_New(rows);
+    if (out == NULL) goto done;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        Py_ssize_t start = (Py_ssize_t)bound[r], size = (Py_ssize_t)(bound[r + 1] - bound[r]);
+        PyObject *row = PyTuple_New(size);
+        if (row == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < size; k++) {
+            PyObject *id = PyList_GET_ITEM(ids, (Py_ssize_t)index[start + k]);
+            Py_INCREF(id);
+            PyTuple_SET_ITEM(row, k, id);
+        }
+        PyList_SET_ITEM(out, r, row);
+    }
+done:
+    PyBuffer_Release(&iv);
+    PyBuffer_Release(&bv);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"stable_hashes63", stable_hashes63, METH_O,
      "stable_hashes63(texts) -> list[int]: the 63-bit blake2b id of each str."},
+    {"interned", interned, METH_VARARGS,
+     "interned(table, values) -> list: table.setdefault(v, v) for each value."},
+    {"rows_of_ids", rows_of_ids, METH_VARARGS,
+     "rows_of_ids(ids, indices, bounds) -> list[tuple]: each row's ids by index (int64 arrays)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_hashc", "The compiled block-id hash (BLAKE2b, RFC 7693).", -1,
+    PyModuleDef_HEAD_INIT, "_hashc", "The compiled block-id hash (BLAKE2b, RFC 7693) and the loader's id loops.", -1,
     methods,
 };
 

@@ -306,11 +306,32 @@ def block_id_tuples(
         raise Fallback(f"{name}: a null id in some row")
     encoded = pc.dictionary_encode(values)
     distinct = encoded.dictionary.to_pylist()
-    ids = np.empty(len(distinct), dtype=object)
     converted = stable_hashes63(distinct) if pa.types.is_string(values.type) else distinct
     if interned is not None:
-        converted = [interned.setdefault(v, v) for v in converted]
-    ids[:] = converted
-    flat = tuple(ids[encoded.indices.to_numpy(zero_copy_only=False)].tolist())
-    bounds = (offsets - offsets[0]).tolist()
-    return [flat[a:b] for a, b in pairwise(bounds)]
+        converted = _interned(interned, converted)
+    indices = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return _rows_of_ids(converted, indices, (offsets - offsets[0]).astype(np.int64, copy=False))
+
+
+def python_interned(table: dict[Any, Any], values: list[Any]) -> list[Any]:
+    """`table.setdefault(v, v)` for each value: one object per distinct id of the file."""
+    return [table.setdefault(v, v) for v in values]
+
+
+def python_rows_of_ids(
+    ids: list[Any], indices: np.ndarray, bounds: np.ndarray
+) -> list[tuple[Any, ...]]:
+    """Row r: the ids at `indices[bounds[r]:bounds[r + 1]]`, as a tuple."""
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= len(ids)):
+        raise ValueError("rows_of_ids: an index out of range")
+    column = np.empty(len(ids), dtype=object)
+    column[:] = ids
+    flat = tuple(column[indices].tolist())
+    return [flat[a:b] for a, b in pairwise(bounds.tolist())]
+
+
+try:  # the same loops in C (`_hashc.c`), where the install could build it
+    from btb_lab.workload._hashc import interned as _interned
+    from btb_lab.workload._hashc import rows_of_ids as _rows_of_ids
+except ImportError:  # pragma: no cover - installs without a C compiler
+    _interned, _rows_of_ids = python_interned, python_rows_of_ids

@@ -332,3 +332,61 @@ def test_an_id_is_one_object_across_the_whole_file(
     first, last = requests[0].block_hashes, requests[-1].block_hashes
     assert first[:8] == last[:8] == tuple(prefix)
     assert all(a is b for a, b in zip(first[:8], last[:8], strict=True))
+
+
+_hashc = pytest.importorskip("btb_lab.workload._hashc", reason="built by `make install`")
+
+
+def test_the_compiled_id_loops_are_the_loaders_and_give_the_python_loops_rows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`_hashc.interned` / `rows_of_ids` against the pure-Python loops: the same block
+    ids, row for row, and the same sharing (one object per distinct id of the file)."""
+    assert columnar._rows_of_ids is _hashc.rows_of_ids
+    assert columnar._interned is _hashc.interned
+    monkeypatch.setattr(columnar, "CHUNK_BYTES", 8192)  # several batches
+    path = _seed_bursty_file(tmp_path)
+
+    def load() -> list[tuple[int, ...]]:
+        requests = formats.load_trace(path, "bursted-art", block_tokens=256).requests
+        assert len({id(h) for r in requests for h in r.block_hashes}) == len(
+            {h for r in requests for h in r.block_hashes}
+        )
+        return [r.block_hashes for r in requests]
+
+    compiled = load()
+    monkeypatch.setattr(columnar, "_rows_of_ids", columnar.python_rows_of_ids)
+    monkeypatch.setattr(columnar, "_interned", columnar.python_interned)
+    assert load() == compiled
+    assert sum(map(len, compiled)) > 2_000
+
+
+@pytest.mark.parametrize("loops", ["compiled", "python"])
+def test_the_id_loops_check_their_arrays(loops: str) -> None:
+    import numpy as np
+
+    rows_of_ids = _hashc.rows_of_ids if loops == "compiled" else columnar.python_rows_of_ids
+    interned = _hashc.interned if loops == "compiled" else columnar.python_interned
+    ids = [7, 8, 9]
+    index = np.array([2, 0, 0, 1], dtype=np.int64)
+    assert rows_of_ids(ids, index, np.array([0, 1, 1, 4], dtype=np.int64)) == [(9,), (), (7, 7, 8)]
+    assert rows_of_ids(ids, index[:0], np.array([0], dtype=np.int64)) == []
+    with pytest.raises(ValueError, match="out of range"):
+        rows_of_ids(ids, np.array([3], dtype=np.int64), np.array([0, 1], dtype=np.int64))
+    with pytest.raises(ValueError, match="out of range"):
+        rows_of_ids(ids, np.array([-1], dtype=np.int64), np.array([0, 1], dtype=np.int64))
+    table: dict[int, int] = {}
+    big = 10**12
+    first = interned(table, [big, big + 1])
+    again = interned(table, [int(str(big)), big + 2])
+    assert again == [big, big + 2]
+    assert again[0] is first[0]
+    if loops == "compiled":
+        with pytest.raises(ValueError, match="bounds"):
+            rows_of_ids(ids, index, np.array([0, 3, 2], dtype=np.int64))
+        with pytest.raises(ValueError, match="bounds"):
+            rows_of_ids(ids, index, np.array([0, 5], dtype=np.int64))
+        with pytest.raises(TypeError, match="int64"):
+            rows_of_ids(ids, index.astype(np.int32), np.array([0, 1], dtype=np.int64))
+        with pytest.raises(TypeError):
+            interned([], [1])
