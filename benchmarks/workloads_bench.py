@@ -19,7 +19,8 @@ Every run is a fresh process; the figures per run:
   sink's time taken out): per second of the time any loop was running, where the
   variants' loops run side by side in worker processes (`btb-lab run --jobs`, one per
   core by default); and per core, per second of each loop's own time (the same figure
-  when the loops run one after another).
+  when the loops run one after another); then the loops' minor page faults and kernel
+  time, which in a worker are mostly copy-on-write copies of the parent's requests.
 
 Several checkouts (`--code DIR`, e.g. a pre-change checkout) run side by side, their
 runs interleaved, each process with that checkout first on `PYTHONPATH` and a shared
@@ -201,9 +202,9 @@ def _write_short(path: Path, n: int = 20_000) -> None:
 DRIVER = r"""
 import sys, time
 T0 = time.perf_counter()
-import importlib.abc, importlib.util, json, os
+import importlib.abc, importlib.util, json, os, resource
 stages = {"load": 0.0, "simulate": 0.0, "finish": 0.0, "analyse": 0.0, "report": 0.0}
-calls = []  # (start, end, sink seconds, requests) of each engine loop
+calls = []  # (start, end, sink seconds, requests, minor faults, system s) of each engine loop
 out_file, argv = sys.argv[1], sys.argv[2:]
 MAIN_PID = os.getpid()
 
@@ -225,9 +226,14 @@ def engine_loop(fn):
             start = time.perf_counter()
             emit(record)
             sink[0] += time.perf_counter() - start
+        before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         result = fn(costs, settings, policy, requests, timed_emit, *args, **kwargs)
-        call = (start, time.perf_counter(), sink[0], len(requests))
+        end = time.perf_counter()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        # page faults and kernel time of the loop: in a worker, its copy-on-write faults
+        call = (start, end, sink[0], len(requests), after.ru_minflt - before.ru_minflt,
+                after.ru_stime - before.ru_stime)
         if os.getpid() == MAIN_PID:
             calls.append(call)
         else:  # a variant's worker process (`run --jobs`): its loop through a file (the
@@ -302,18 +308,20 @@ def write_out():  # an exit handler: the console script's entry ends the process
     if os.path.exists(out_file + ".loop"):
         with open(out_file + ".loop") as handle:
             for line in handle:
-                start, end, sink, requests = line.split()
-                calls.append((float(start), float(end), float(sink), int(requests)))
+                start, end, sink, requests, faults, sys_s = line.split()
+                calls.append((float(start), float(end), float(sink), int(requests),
+                              int(faults), float(sys_s)))
     # per core: each loop's own seconds, the record sink's taken out; wall: the time any
     # loop was running (loops side by side in workers count once), less the same share
-    busy = sum(end - start - sink for start, end, sink, _ in calls)
-    spans = sum(end - start for start, end, _, _ in calls)
+    busy = sum(c[1] - c[0] - c[2] for c in calls)
+    spans = sum(c[1] - c[0] for c in calls)
     union, reach = 0.0, float("-inf")
-    for start, end, _, _ in sorted(calls):
+    for start, end, *_ in sorted(calls):
         union += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     loop = {"s": union * busy / spans if spans > 0 else 0.0, "cpu_s": busy,
-            "requests": sum(c[3] for c in calls)}
+            "requests": sum(c[3] for c in calls), "faults": sum(c[4] for c in calls),
+            "sys_s": sum(c[5] for c in calls)}
     with open(out_file, "w") as handle:
         json.dump({"stages": stages, "loop": loop, "inside_s": ended["at"] - T0,
                    "code": ended["code"], "peak_rss_kib": peak_rss_kib()}, handle)
@@ -334,6 +342,8 @@ class Run:
     loop_rps: float | None  # simulated requests per second of the loops' wall time
     loop_core_rps: float | None  # per second of each loop's own time (one core's rate)
     requests: int
+    loop_faults_k: float | None = None  # the loops' minor page faults, thousands
+    loop_sys_s: float | None = None  # the loops' kernel time (the faults' cost, mostly)
 
 
 @dataclass
@@ -346,8 +356,12 @@ class Series:
         return statistics.median(known) if known else None
 
 
+_RUN_KEYS = ("whole_s", "rss_mib", "tree_pss_mib", "loop_rps", "loop_core_rps", "loop_faults_k",
+             "loop_sys_s")  # fmt: skip
+
+
 def _value(run: Run, key: str) -> float | None:
-    if key in ("whole_s", "rss_mib", "tree_pss_mib", "loop_rps", "loop_core_rps"):
+    if key in _RUN_KEYS:
         value: float | None = getattr(run, key)
         return value
     return run.stages.get(key)
@@ -447,6 +461,8 @@ def one_run(code: Path, hypothesis: Path, work: Path) -> Run:
         loop_rps=loop["requests"] / loop["s"] if loop["s"] > 0 else None,
         loop_core_rps=loop["requests"] / loop["cpu_s"] if loop["cpu_s"] > 0 else None,
         requests=loop["requests"],
+        loop_faults_k=loop["faults"] / 1000 if "faults" in loop else None,
+        loop_sys_s=loop.get("sys_s"),
     )
 
 
@@ -539,7 +555,8 @@ def report(cases: list[Case], codes: list[Path], results: dict[str, dict[str, Se
             header += "".join(f"{'×' + label:>12}" for label in labels[1:])
         print(header)
         rows = [("whole (s)", "whole_s", 2), ("in-loop req/s", "loop_rps", 0),
-                ("  per core", "loop_core_rps", 0), ("peak RSS (MiB)", "rss_mib", 0),
+                ("  per core", "loop_core_rps", 0), ("  page faults (k)", "loop_faults_k", 0),
+                ("  system (s)", "loop_sys_s", 2), ("peak RSS (MiB)", "rss_mib", 0),
                 ("tree PSS (MiB)", "tree_pss_mib", 0)]  # fmt: skip
         rows += [(f"  {stage} (s)", stage, 2) for stage in STAGES]
         for title, key, digits in rows:
