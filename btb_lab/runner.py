@@ -42,7 +42,7 @@ from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.records import Request
 from btb_lab.redact import redact_argv, redact_options, redact_value
 from btb_lab.registry import Registry
-from btb_lab.workload.loader import load_requests
+from btb_lab.workload.loader import TraceCache, load_requests
 
 if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary, Verdict
@@ -245,8 +245,12 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
     )  # fmt: skip
 
 
-def _load_requests(loaded: LoadedHypothesis, seed: int) -> list[Request]:
-    return load_requests(loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed)
+def _load_requests(
+    loaded: LoadedHypothesis, seed: int, traces: TraceCache | None = None
+) -> list[Request]:
+    return load_requests(
+        loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed, traces=traces
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -369,7 +373,9 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
     jobs = _jobs(options.jobs, backend, len(plan.variants))
-    first_requests = _load_requests(loaded, first_seed)
+    # a trace replayed by several repeats is parsed once (each repeat gets fresh requests)
+    traces = TraceCache() if plan.repeats > 1 or hyp.auto_repeats else None
+    first_requests = _load_requests(loaded, first_seed, traces)
     versions = _versions()
     if plan.backend == "sim":
         _check_sim_sampling(loaded, worlds, first_requests)
@@ -391,7 +397,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
                     if repeat == 0:
                         requests = first_requests
                     else:
-                        requests = _load_requests(loaded, workload_seed)
+                        requests = _load_requests(loaded, workload_seed, traces)
                     manifest.requests_per_run = len(requests)
                     _run_repeat(backend, hyp, worlds, plan.variants, repeat, requests, run_dir,
                                 manifest, progress, workload_seed, jobs)  # fmt: skip
@@ -426,6 +432,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     # The workload is stored; the report reads it back from disk. Let it go first, so the
     # report's peak memory does not stack on the simulation's.
     first_requests = requests = []
+    traces = None
     from btb_lab.report.render import build_report
 
     if failure is not None:

@@ -8,6 +8,7 @@ gap by `time_scale` → lay windows end to end (`window_gap_s` apart) → set `b
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -19,7 +20,13 @@ from btb_lab.workload.formats import FORMATS, LoadedTrace, load_trace
 from btb_lab.workload.generators import GENERATORS, GenContext, parse_params
 from btb_lab.workload.variation import vary_requests
 
-__all__ = ["RequestList", "apply_time_scale", "load_requests", "validate_workload_spec"]
+__all__ = [
+    "RequestList",
+    "TraceCache",
+    "apply_time_scale",
+    "load_requests",
+    "validate_workload_spec",
+]
 
 
 class RequestList(list[Request]):
@@ -33,6 +40,31 @@ class RequestList(list[Request]):
     def skipped_rows(self) -> int:
         """How many malformed rows were skipped (each one's message is in `skipped`)."""
         return len(self.skipped)
+
+
+_REQUEST_FIELDS = attrgetter(*Request.__slots__)  # every field, in `Request`'s order
+
+
+class TraceCache:
+    """The trace files one run has parsed, for its later repeats: a file replayed again
+    (each repeat with its own seed for `variation`) is parsed once. Each load hands out
+    fresh `Request` objects, since `load_requests` and the variation move arrivals in
+    place; they share the parsed block-id tuples. A file changed on disk (size or
+    modification time) is parsed again."""
+
+    def __init__(self) -> None:
+        self._parsed: dict[tuple[object, ...], LoadedTrace] = {}
+
+    def load(self, path: Path, fmt: str, *, block_tokens: int, skip_bad_rows: bool) -> LoadedTrace:
+        stat = path.stat()
+        key = (path.resolve(), stat.st_size, stat.st_mtime_ns, fmt, block_tokens, skip_bad_rows)
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            parsed = load_trace(path, fmt, block_tokens=block_tokens, skip_bad_rows=skip_bad_rows)
+            self._parsed = {key: parsed}  # the last file only: a run replays one
+        return LoadedTrace(
+            [Request(*_REQUEST_FIELDS(r)) for r in parsed.requests], list(parsed.bad_rows)
+        )
 
 
 def _trace_path(spec: WorkloadSpec, base_dir: Path) -> Path:
@@ -111,12 +143,15 @@ def apply_time_scale(
     return out
 
 
-def load_requests(spec: WorkloadSpec, *, base_dir: Path, seed: int) -> RequestList:
-    """The requests a hypothesis replays, ordered by arrival, with `time_scale` applied."""
+def load_requests(
+    spec: WorkloadSpec, *, base_dir: Path, seed: int, traces: TraceCache | None = None
+) -> RequestList:
+    """The requests a hypothesis replays, ordered by arrival, with `time_scale` applied;
+    a trace file is parsed once across the loads that share `traces`."""
     validate_workload_spec(spec, base_dir)
     if spec.trace is not None:
         path = _trace_path(spec, base_dir)
-        loaded = load_trace(
+        loaded = (load_trace if traces is None else traces.load)(
             path,
             spec.trace.format,
             block_tokens=spec.block_tokens,

@@ -276,6 +276,42 @@ def test_generator_repeats_draw_new_workloads(tmp_path, fake_effects) -> None:
     assert by_repeat[0] != by_repeat[1]
 
 
+def test_a_trace_is_parsed_once_for_all_repeats(
+    tmp_path: Path, fake_effects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every repeat replays what loading the trace afresh for its seed gives (the run
+    keeps the parsed file: `TraceCache`), and the file is parsed once."""
+    from btb_lab.runner import RunOptions, derive_seed, run_hypothesis
+    from btb_lab.workload import loader
+    from tests.unit.test_runner_fake import SEEN
+
+    parses: list[Path] = []
+    parse = loader.load_trace
+
+    def counted(path: Path, *args: object, **kwargs: object) -> object:
+        parses.append(path)
+        return parse(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "load_trace", counted)
+    trace = FIXTURES / "bursted_art_small.jsonl"
+    text = HYPOTHESIS.replace(
+        "  generator:\n    kind: poisson\n    params: {requests: 120, rate_per_s: 4.0}\n",
+        f"  trace: {{path: {trace}, format: bursted-art}}\n"
+        "  variation: {arrival_jitter_s: 0.5, resample_windows: true}\n",
+    ).replace("repeats: 1\n", "repeats: 3\n")
+    run_hypothesis(write_hypothesis(tmp_path, text),
+                   RunOptions(backend="fake", out=tmp_path / "run", progress=False))  # fmt: skip
+    assert parses == [trace]
+    spec = _trace_spec(arrival_jitter_s=0.5, resample_windows=True)
+    replayed = {(rep, arrivals) for _, rep, _, arrivals in SEEN}
+    expected = set()
+    for rep in range(3):
+        fresh = load_requests(spec, base_dir=FIXTURES, seed=derive_seed(3, "workload", rep))
+        expected.add((rep, tuple((r.request_id, r.arrival_s) for r in fresh)))
+    assert replayed == expected
+    assert len({arrivals for _, arrivals in replayed}) == 3
+
+
 def _trace_spec(**variation: object) -> WorkloadSpec:
     return WorkloadSpec.model_validate({
         "trace": {"path": str(FIXTURES / "bursted_art_small.jsonl"), "format": "bursted-art"},

@@ -122,3 +122,43 @@ def test_shared_trace_loads_when_present() -> None:
     requests = load_requests(spec, base_dir=Path("."), seed=0)
     assert len(requests) == 100
     assert requests[0].arrival_s == 0.0
+
+
+def test_a_trace_cache_parses_once_and_hands_out_fresh_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repeats of one run share the parsed file (`TraceCache`): each load gives what a
+    fresh parse gives, jitter and time scale included, and moving one load's arrivals (as
+    the loader and the variation do in place) leaves the next load untouched."""
+    from btb_lab.workload import loader
+
+    trace = tmp_path / "trace.jsonl"
+    shutil.copy(FIXTURES / "bursted_art_small.jsonl", trace)
+    parses: list[Path] = []
+    parse = loader.load_trace
+
+    def counted(path: Path, *args: object, **kwargs: object) -> object:
+        parses.append(path)
+        return parse(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    spec = _spec(
+        trace={"path": str(trace), "format": "bursted-art"}, time_scale=3,
+        variation={"arrival_jitter_s": 0.25, "resample_windows": True},
+    )  # fmt: skip
+    fresh = [load_requests(spec, base_dir=tmp_path, seed=seed) for seed in (1, 2, 1)]
+    monkeypatch.setattr(loader, "load_trace", counted)
+    traces = loader.TraceCache()
+    cached = [
+        load_requests(spec, base_dir=tmp_path, seed=seed, traces=traces) for seed in (1, 2, 1)
+    ]
+    assert cached == fresh
+    assert cached[0] != cached[1]  # the seeds' jitter, not the first load's moved arrivals
+    assert len(parses) == 1
+    shared = {id(r.block_hashes) for r in cached[0]} & {id(r.block_hashes) for r in cached[2]}
+    assert shared  # the block-id tuples are the parsed ones, not copies
+    assert not {id(r) for r in cached[0]} & {id(r) for r in cached[2]}
+
+    trace.write_text(trace.read_text() + trace.read_text().splitlines()[0] + "\n")
+    with pytest.raises(UserError):  # the changed file is parsed again (a repeated id)
+        load_requests(spec, base_dir=tmp_path, seed=1, traces=traces)
+    assert len(parses) == 2
