@@ -56,7 +56,10 @@ class TraceCache:
         self._parsed: dict[tuple[object, ...], LoadedTrace] = {}
 
     def load(self, path: Path, fmt: str, *, block_tokens: int, skip_bad_rows: bool) -> LoadedTrace:
-        stat = path.stat()
+        try:
+            stat = path.stat()
+        except OSError:  # gone meanwhile: the loader says what is wrong with it
+            return load_trace(path, fmt, block_tokens=block_tokens, skip_bad_rows=skip_bad_rows)
         key = (path.resolve(), stat.st_size, stat.st_mtime_ns, fmt, block_tokens, skip_bad_rows)
         parsed = self._parsed.get(key)
         if parsed is None:

@@ -162,3 +162,6 @@ def test_a_trace_cache_parses_once_and_hands_out_fresh_requests(
     with pytest.raises(UserError):  # the changed file is parsed again (a repeated id)
         load_requests(spec, base_dir=tmp_path, seed=1, traces=traces)
     assert len(parses) == 2
+    trace.unlink()
+    with pytest.raises(UserError, match=r"trace\.jsonl"):  # the loader's own message
+        load_requests(spec, base_dir=tmp_path, seed=1, traces=traces)
