@@ -46,27 +46,30 @@ _REQUEST_FIELDS = attrgetter(*Request.__slots__)  # every field, in `Request`'s 
 
 
 class TraceCache:
-    """The trace files one run has parsed, for its later repeats: a file replayed again
+    """The trace file one run has parsed, for its later repeats: a file replayed again
     (each repeat with its own seed for `variation`) is parsed once. Each load hands out
     fresh `Request` objects, since `load_requests` and the variation move arrivals in
     place; they share the parsed block-id tuples. A file changed on disk (size or
     modification time) is parsed again."""
 
     def __init__(self) -> None:
-        self._parsed: dict[tuple[object, ...], LoadedTrace] = {}
+        self._key: tuple[object, ...] | None = None  # the last file only: a run replays one
+        self._parsed = LoadedTrace([])
 
     def load(self, path: Path, fmt: str, *, block_tokens: int, skip_bad_rows: bool) -> LoadedTrace:
+        def parse() -> LoadedTrace:
+            return load_trace(path, fmt, block_tokens=block_tokens, skip_bad_rows=skip_bad_rows)
+
         try:
             stat = path.stat()
         except OSError:  # gone meanwhile: the loader says what is wrong with it
-            return load_trace(path, fmt, block_tokens=block_tokens, skip_bad_rows=skip_bad_rows)
+            return parse()
         key = (path.resolve(), stat.st_size, stat.st_mtime_ns, fmt, block_tokens, skip_bad_rows)
-        parsed = self._parsed.get(key)
-        if parsed is None:
-            parsed = load_trace(path, fmt, block_tokens=block_tokens, skip_bad_rows=skip_bad_rows)
-            self._parsed = {key: parsed}  # the last file only: a run replays one
+        if key != self._key:
+            self._parsed, self._key = parse(), key
         return LoadedTrace(
-            [Request(*_REQUEST_FIELDS(r)) for r in parsed.requests], list(parsed.bad_rows)
+            [Request(*_REQUEST_FIELDS(r)) for r in self._parsed.requests],
+            list(self._parsed.bad_rows),
         )
 
 
