@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +120,9 @@ class RunOptions:
     # a repeat's variants at once, each in a worker process, on a backend whose runs share
     # nothing (the simulator): at most this many; 0 = one per core; 1 = one after another
     jobs: int = 1
+    # trace files parsed before, kept across runs (a sweep's points replay the same file);
+    # None: the run keeps its own while several repeats may read the file
+    traces: TraceCache | None = None
 
 
 @dataclass
@@ -374,7 +377,9 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     backend = get_backend(plan.backend)
     jobs = _jobs(options.jobs, backend, len(plan.variants))
     # a trace replayed by several repeats is parsed once (each repeat gets fresh requests)
-    traces = TraceCache() if plan.repeats > 1 or hyp.auto_repeats else None
+    traces = options.traces
+    if traces is None and (plan.repeats > 1 or hyp.auto_repeats):
+        traces = TraceCache()
     first_requests = _load_requests(loaded, first_seed, traces)
     versions = _versions()
     if plan.backend == "sim":
@@ -631,7 +636,8 @@ def _repeats_needed(
 
 
 def _options_json(options: RunOptions) -> dict[str, Any]:
-    data = asdict(options)
+    data = asdict(replace(options, traces=None))  # parsed files: not a setting
+    del data["traces"]
     for key in ("out", "results_root"):
         data[key] = None if data[key] is None else str(data[key])
     redacted: dict[str, Any] = redact_options(data)

@@ -6,7 +6,10 @@ or more cores the timelines render in a child (forked once the data and matplotl
 in memory, so it starts in milliseconds) beside the parent. The files are the same bytes
 either way (`write_atomic`, no timestamps); a child that fails, or a process where a fork
 is unsafe (other threads running) or pointless (one core), leaves the work to the parent,
-which then raises any error itself. `BTB_LAB_REPORT_FORK=0` turns the fork off.
+which then raises any error itself. `BTB_LAB_REPORT_FORK=0` turns the fork off, and so
+does `inline()` for what runs inside it (a sweep's points: they already share the cores,
+and a point's process keeps matplotlib from its last point, where a child would import it
+again for every point).
 
 A run goes one step further (`prewarmed`): it forks a `Warm` child before it loads and
 simulates, which imports matplotlib on the second core meanwhile (about as long as the
@@ -24,14 +27,29 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ENV", "Forked", "Warm", "fork_allowed", "prewarmed", "start", "take_warm", "warm"]
+__all__ = [
+    "ENV", "Forked", "Warm", "fork_allowed", "inline", "prewarmed", "start", "take_warm", "warm",
+]  # fmt: skip
 
 ENV = "BTB_LAB_REPORT_FORK"
+
+_inline_depth = 0
+
+
+@contextlib.contextmanager
+def inline() -> Iterator[None]:
+    """No report child inside the block: the plots are drawn in this process."""
+    global _inline_depth
+    _inline_depth += 1
+    try:
+        yield
+    finally:
+        _inline_depth -= 1
 
 
 def fork_allowed() -> bool:
     """A fork is safe with this process's single thread, and pays with a second core."""
-    if not hasattr(os, "fork") or os.environ.get(ENV, "1") == "0":
+    if not hasattr(os, "fork") or os.environ.get(ENV, "1") == "0" or _inline_depth:
         return False
     if threading.active_count() != 1:  # a lock held by another thread would stay held
         return False
