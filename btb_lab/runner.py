@@ -42,7 +42,7 @@ from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.records import Request
 from btb_lab.redact import redact_argv, redact_options, redact_value
 from btb_lab.registry import Registry
-from btb_lab.workload.loader import TraceCache, load_requests
+from btb_lab.workload.loader import WorkloadCache, load_requests
 
 if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary, Verdict
@@ -120,9 +120,9 @@ class RunOptions:
     # a repeat's variants at once, each in a worker process, on a backend whose runs share
     # nothing (the simulator): at most this many; 0 = one per core; 1 = one after another
     jobs: int = 1
-    # trace files parsed before, kept across runs (a sweep's points replay the same file);
-    # None: the run keeps its own while several repeats may read the file
-    traces: TraceCache | None = None
+    # the last workload parsed or generated, kept across runs (a sweep's points replay the
+    # same one); None: the run keeps its own while several repeats may read its trace file
+    workloads: WorkloadCache | None = None
 
 
 @dataclass
@@ -249,10 +249,10 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
 
 
 def _load_requests(
-    loaded: LoadedHypothesis, seed: int, traces: TraceCache | None = None
+    loaded: LoadedHypothesis, seed: int, workloads: WorkloadCache | None = None
 ) -> list[Request]:
     return load_requests(
-        loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed, traces=traces
+        loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed, cache=workloads
     )
 
 
@@ -376,11 +376,12 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
     jobs = _jobs(options.jobs, backend, len(plan.variants))
-    # a trace replayed by several repeats is parsed once (each repeat gets fresh requests)
-    traces = options.traces
-    if traces is None and (plan.repeats > 1 or hyp.auto_repeats):
-        traces = TraceCache()
-    first_requests = _load_requests(loaded, first_seed, traces)
+    # a trace replayed by several repeats is parsed once (each repeat gets fresh requests),
+    # and a sweep's points share what their process parsed or generated last
+    workloads = options.workloads
+    if workloads is None and (plan.repeats > 1 or hyp.auto_repeats):
+        workloads = WorkloadCache()
+    first_requests = _load_requests(loaded, first_seed, workloads)
     versions = _versions()
     if plan.backend == "sim":
         _check_sim_sampling(loaded, worlds, first_requests)
@@ -402,7 +403,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
                     if repeat == 0:
                         requests = first_requests
                     else:
-                        requests = _load_requests(loaded, workload_seed, traces)
+                        requests = _load_requests(loaded, workload_seed, workloads)
                     manifest.requests_per_run = len(requests)
                     _run_repeat(backend, hyp, worlds, plan.variants, repeat, requests, run_dir,
                                 manifest, progress, workload_seed, jobs)  # fmt: skip
@@ -437,7 +438,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     # The workload is stored; the report reads it back from disk. Let it go first, so the
     # report's peak memory does not stack on the simulation's.
     first_requests = requests = []
-    traces = None
+    workloads = None
     from btb_lab.report.render import build_report
 
     if failure is not None:
@@ -636,8 +637,8 @@ def _repeats_needed(
 
 
 def _options_json(options: RunOptions) -> dict[str, Any]:
-    data = asdict(replace(options, traces=None))  # parsed files: not a setting
-    del data["traces"]
+    data = asdict(replace(options, workloads=None))  # loaded workloads: not a setting
+    del data["workloads"]
     for key in ("out", "results_root"):
         data[key] = None if data[key] is None else str(data[key])
     redacted: dict[str, Any] = redact_options(data)

@@ -14,10 +14,19 @@ import os
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-__all__ = ["SMALL", "CliResult", "cli", "cli_subprocess", "python_env", "write_small"]
+__all__ = [
+    "SMALL",
+    "CliResult",
+    "CountingGenerators",
+    "cli",
+    "cli_subprocess",
+    "python_env",
+    "write_small",
+]
 
 # Two instances, 60 Poisson requests, two variants: a full simulator run is about a second.
 SMALL = """\
@@ -127,3 +136,27 @@ def cli_subprocess(
         capture_output=True, text=True, check=False, cwd=cwd, timeout=timeout_s,
         env=python_env(),
     )  # fmt: skip
+
+
+class CountingGenerators:
+    """A stand-in for `workload.loader.GENERATORS` that notes the seed of every workload
+    a generator makes."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.seeds: list[int] = []
+
+    def __contains__(self, kind: str) -> bool:
+        return kind in self.real
+
+    def names(self) -> list[str]:
+        return list(self.real.names())
+
+    def get(self, kind: str) -> Any:
+        entry = self.real.get(kind)
+
+        def generate(params: Any, ctx: Any) -> Any:
+            self.seeds.append(ctx.seed)
+            return entry.generate(params, ctx)
+
+        return replace(entry, generate=generate)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from btb_lab.analysis.models import Summary
-    from btb_lab.workload.loader import TraceCache
+    from btb_lab.workload.loader import WorkloadCache
 
 __all__ = [
     "RunPointFn",
@@ -59,17 +59,18 @@ RunPointFn = Callable[[PointTask], None]
 Executor = Literal["local", "ray"]
 
 
-_traces: list[TraceCache] = []  # this process's, while a sweep runs points in it
+_workloads: list[WorkloadCache] = []  # this process's, while a sweep runs points in it
 
 
-def _point_traces() -> TraceCache:
-    """The trace file this process's points parsed last: points replay the same file with
-    other settings, so it is parsed once per process (each point gets fresh requests)."""
-    from btb_lab.workload.loader import TraceCache
+def _point_workloads() -> WorkloadCache:
+    """The workload this process's points parsed or generated last: points replay the
+    same trace file or generated windows with other settings, so the workload is made
+    once per process (each point gets fresh requests)."""
+    from btb_lab.workload.loader import WorkloadCache
 
-    if not _traces:
-        _traces.append(TraceCache())
-    return _traces[0]
+    if not _workloads:
+        _workloads.append(WorkloadCache())
+    return _workloads[0]
 
 
 def run_point(task: PointTask) -> None:
@@ -88,7 +89,7 @@ def run_point(task: PointTask) -> None:
         overrides=dict(task.overrides),
         seed=task.seed,
         progress=False,
-        traces=_point_traces(),
+        workloads=_point_workloads(),
     )
     with forked.inline():
         run_hypothesis(Path(task.base_path), options)
@@ -441,7 +442,7 @@ def run_sweep(
         elif todo:
             _execute_local(todo, run_fn, jobs, done)
     finally:
-        _traces.clear()  # points run in this process (`--jobs 1`) parsed it here
+        _workloads.clear()  # points run in this process (`--jobs 1`) loaded it here
 
     summaries = read_summaries(tasks)
     baseline = _baseline_name(loaded)

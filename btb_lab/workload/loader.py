@@ -7,7 +7,9 @@ gap by `time_scale` → lay windows end to end (`window_gap_s` apart) → set `b
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from btb_lab.workload.variation import vary_requests
 
 __all__ = [
     "RequestList",
-    "TraceCache",
+    "WorkloadCache",
     "apply_time_scale",
     "load_requests",
     "validate_workload_spec",
@@ -45,16 +47,17 @@ class RequestList(list[Request]):
 _REQUEST_FIELDS = attrgetter(*Request.__slots__)  # every field, in `Request`'s order
 
 
-class TraceCache:
-    """The trace file one run has parsed, for its later repeats: a file replayed again
-    (each repeat with its own seed for `variation`) is parsed once. Each load hands out
-    fresh `Request` objects, since `load_requests` and the variation move arrivals in
-    place; they share the parsed block-id tuples. A file changed on disk (size or
-    modification time) is parsed again."""
+class WorkloadCache:
+    """The workload this process parsed or generated last, for the next load of the same
+    one: a run's later repeats replay its trace file (each with its own seed for
+    `variation`), and a sweep's points replay one file or one generated workload with
+    other settings. Each load hands out fresh `Request` objects, since `load_requests` and
+    the variation move arrivals in place; they share the block-id tuples. A file changed
+    on disk (size or modification time) is parsed again."""
 
     def __init__(self) -> None:
-        self._key: tuple[object, ...] | None = None  # the last file only: a run replays one
-        self._parsed = LoadedTrace([])
+        self._key: tuple[object, ...] | None = None  # the last workload only
+        self._kept = LoadedTrace([])
 
     def load(self, path: Path, fmt: str, *, block_tokens: int, skip_bad_rows: bool) -> LoadedTrace:
         def parse() -> LoadedTrace:
@@ -64,12 +67,21 @@ class TraceCache:
             stat = path.stat()
         except OSError:  # gone meanwhile: the loader says what is wrong with it
             return parse()
-        key = (path.resolve(), stat.st_size, stat.st_mtime_ns, fmt, block_tokens, skip_bad_rows)
+        key = ("trace", path.resolve(), stat.st_size, stat.st_mtime_ns, fmt, block_tokens,
+               skip_bad_rows)  # fmt: skip
+        return self._fresh(key, parse)
+
+    def generated(self, key: str, generate: Callable[[], LoadedTrace]) -> LoadedTrace:
+        """What `generate` gives, made once per `key` (the generator, its params, seed and
+        block size: generators are deterministic in these)."""
+        return self._fresh(("generated", key), generate)
+
+    def _fresh(self, key: tuple[object, ...], make: Callable[[], LoadedTrace]) -> LoadedTrace:
         if key != self._key:
-            self._parsed, self._key = parse(), key
+            self._kept, self._key = make(), key
         return LoadedTrace(
-            [Request(*_REQUEST_FIELDS(r)) for r in self._parsed.requests],
-            list(self._parsed.bad_rows),
+            [Request(*_REQUEST_FIELDS(r)) for r in self._kept.requests],
+            list(self._kept.bad_rows),
         )
 
 
@@ -150,14 +162,15 @@ def apply_time_scale(
 
 
 def load_requests(
-    spec: WorkloadSpec, *, base_dir: Path, seed: int, traces: TraceCache | None = None
+    spec: WorkloadSpec, *, base_dir: Path, seed: int, cache: WorkloadCache | None = None
 ) -> RequestList:
     """The requests a hypothesis replays, ordered by arrival, with `time_scale` applied;
-    a trace file is parsed once across the loads that share `traces`."""
+    a trace file is parsed, or a generator's workload made, once across the loads that
+    share `cache` (a generator that reads a file runs every time)."""
     validate_workload_spec(spec, base_dir)
     if spec.trace is not None:
         path = _trace_path(spec, base_dir)
-        loaded = (load_trace if traces is None else traces.load)(
+        loaded = (load_trace if cache is None else cache.load)(
             path,
             spec.trace.format,
             block_tokens=spec.block_tokens,
@@ -171,7 +184,18 @@ def load_requests(
         entry = GENERATORS.get(spec.generator.kind)
         params = parse_params(spec.generator.kind, spec.generator.params)
         ctx = GenContext(seed=seed, block_tokens=spec.block_tokens, base_dir=base_dir)
-        loaded = LoadedTrace(entry.generate(params, ctx))
+
+        def generate() -> LoadedTrace:
+            return LoadedTrace(entry.generate(params, ctx))
+
+        if cache is None or getattr(params, "real_trace", None):  # a file: read it afresh
+            loaded = generate()
+        else:
+            key = json.dumps(
+                [spec.generator.kind, params.model_dump(mode="json"), seed, spec.block_tokens],
+                sort_keys=True,
+            )
+            loaded = cache.generated(key, generate)
     rows = loaded.requests
     if spec.variation is not None:
         rows = vary_requests(rows, spec.variation, seed, stage="windows")

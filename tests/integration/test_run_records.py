@@ -74,11 +74,11 @@ def test_a_failure_after_the_run_started_is_recorded_and_skipped(lab: Path, monk
     real = runner._load_requests
     calls: list[int] = []
 
-    def second_repeat_fails(loaded, seed, *traces):
+    def second_repeat_fails(loaded, seed, *cache):
         calls.append(seed)
         if len(calls) > 1:
             raise UserError("trace.jsonl:7: field 'timestamp': must be a finite number ≥ 0")
-        return real(loaded, seed, *traces)
+        return real(loaded, seed, *cache)
 
     monkeypatch.setattr(runner, "_load_requests", second_repeat_fails)
     result = cli("run", lab / "hypotheses" / "hs.yaml", "--no-progress", "--set", "repeats=2",

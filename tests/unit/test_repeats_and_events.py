@@ -280,7 +280,7 @@ def test_a_trace_is_parsed_once_for_all_repeats(
     tmp_path: Path, fake_effects, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every repeat replays what loading the trace afresh for its seed gives (the run
-    keeps the parsed file: `TraceCache`), and the file is parsed once."""
+    keeps the parsed file: `WorkloadCache`), and the file is parsed once."""
     from btb_lab.runner import RunOptions, derive_seed, run_hypothesis
     from btb_lab.workload import loader
     from tests.unit.test_runner_fake import SEEN

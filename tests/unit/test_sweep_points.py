@@ -16,6 +16,7 @@ from btb_lab.sweep import engine, run_sweep
 from btb_lab.sweep.plan import PointTask
 from btb_lab.workload import loader
 from tests.golden.test_headlines import records_digest
+from tests.helpers import CountingGenerators
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
 
@@ -29,7 +30,7 @@ cluster:
   instances:
     - {role: C, count: 2, gpu: H100, gpus: 4}
 workload:
-  trace: {path: trace.jsonl, format: bursted-art}
+  {workload}
   block_tokens: 512
 variants:
   cache_aware:
@@ -61,24 +62,35 @@ table:
 """
 
 
-def test_points_parse_their_trace_once_and_replay_what_a_run_replays(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "workload",
+    [
+        "trace: {path: trace.jsonl, format: bursted-art}",
+        "generator: {kind: poisson, params: {requests: 40, prefix_tokens: 1024}}",
+    ],
+    ids=["trace", "generator"],
+)
+def test_points_load_their_workload_once_and_replay_what_a_run_replays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: str
 ) -> None:
     shutil.copy(FIXTURES / "bursted_art_small.jsonl", tmp_path / "trace.jsonl")
-    (tmp_path / "base.yaml").write_text(BASE, encoding="utf-8")
+    (tmp_path / "base.yaml").write_text(BASE.replace("{workload}", workload), encoding="utf-8")
     (tmp_path / "sweep.yaml").write_text(SWEEP, encoding="utf-8")
-    parses: list[Path] = []
+    made: list[str] = []
     parse = loader.load_trace
 
     def counted(path: Path, *args: Any, **kwargs: Any) -> Any:
-        parses.append(path)
+        made.append("parse")
         return parse(path, *args, **kwargs)
 
+    generators = CountingGenerators(loader.GENERATORS)
     monkeypatch.setattr(loader, "load_trace", counted)
+    monkeypatch.setattr(loader, "GENERATORS", generators)
     outcome = run_sweep(tmp_path / "sweep.yaml", out=tmp_path / "out")
-    assert len(outcome.ran) == 2 and not outcome.failed
-    assert len(parses) == 1  # both points, one process: one parse
-    assert engine._traces == []  # the sweep let it go
+    assert len(outcome.ran) == 2
+    assert not outcome.failed
+    assert len(made) + len(generators.seeds) == 1  # both points, one process: made once
+    assert engine._workloads == []  # the sweep let it go
 
     # each point stored exactly what a run of the base file with its overrides stores
     for point in outcome.points:
@@ -89,7 +101,7 @@ def test_points_parse_their_trace_once_and_replay_what_a_run_replays(
         )
         stored = tmp_path / "out" / "points" / point.point_id
         assert records_digest(stored) == records_digest(alone)
-    assert len(parses) == 3
+    assert len(made) + len(generators.seeds) == 3
     assert len({records_digest(tmp_path / f"alone-{p.point_id}") for p in outcome.points}) == 2
 
 
@@ -101,13 +113,14 @@ def test_a_point_draws_its_plots_in_its_own_process(monkeypatch: pytest.MonkeyPa
     seen: list[tuple[bool, object]] = []
 
     def fake_run(path: Path, options: runner.RunOptions) -> None:
-        seen.append((forked.fork_allowed(), options.traces))
+        seen.append((forked.fork_allowed(), options.workloads))
 
     monkeypatch.setattr(runner, "run_hypothesis", fake_run)
     task = PointTask(point_id="p", labels={}, base_path="b.yaml", overrides={}, run_dir="r")
     engine.run_point(task)
     engine.run_point(task)
     assert [fork for fork, _ in seen] == [False, False]
-    assert seen[0][1] is not None and seen[0][1] is seen[1][1]  # one cache per process
+    assert seen[0][1] is not None
+    assert seen[0][1] is seen[1][1]  # one cache per process
     assert forked.fork_allowed()  # only inside the point
-    engine._traces.clear()
+    engine._workloads.clear()

@@ -10,6 +10,7 @@ import pytest
 from btb_lab.config.workload import WorkloadSpec
 from btb_lab.errors import UserError
 from btb_lab.workload import load_requests, validate_workload_spec
+from tests.helpers import CountingGenerators
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
 
@@ -127,7 +128,7 @@ def test_shared_trace_loads_when_present() -> None:
 def test_a_trace_cache_parses_once_and_hands_out_fresh_requests(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Repeats of one run share the parsed file (`TraceCache`): each load gives what a
+    """Repeats of one run share the parsed file (`WorkloadCache`): each load gives what a
     fresh parse gives, jitter and time scale included, and moving one load's arrivals (as
     the loader and the variation do in place) leaves the next load untouched."""
     from btb_lab.workload import loader
@@ -147,10 +148,8 @@ def test_a_trace_cache_parses_once_and_hands_out_fresh_requests(
     )  # fmt: skip
     fresh = [load_requests(spec, base_dir=tmp_path, seed=seed) for seed in (1, 2, 1)]
     monkeypatch.setattr(loader, "load_trace", counted)
-    traces = loader.TraceCache()
-    cached = [
-        load_requests(spec, base_dir=tmp_path, seed=seed, traces=traces) for seed in (1, 2, 1)
-    ]
+    cache = loader.WorkloadCache()
+    cached = [load_requests(spec, base_dir=tmp_path, seed=seed, cache=cache) for seed in (1, 2, 1)]
     assert cached == fresh
     assert cached[0] != cached[1]  # the seeds' jitter, not the first load's moved arrivals
     assert len(parses) == 1
@@ -160,8 +159,42 @@ def test_a_trace_cache_parses_once_and_hands_out_fresh_requests(
 
     trace.write_text(trace.read_text() + trace.read_text().splitlines()[0] + "\n")
     with pytest.raises(UserError):  # the changed file is parsed again (a repeated id)
-        load_requests(spec, base_dir=tmp_path, seed=1, traces=traces)
+        load_requests(spec, base_dir=tmp_path, seed=1, cache=cache)
     assert len(parses) == 2
     trace.unlink()
     with pytest.raises(UserError, match=r"trace\.jsonl"):  # the loader's own message
-        load_requests(spec, base_dir=tmp_path, seed=1, traces=traces)
+        load_requests(spec, base_dir=tmp_path, seed=1, cache=cache)
+
+
+def test_a_workload_cache_generates_once_per_generator_params_and_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sweep's points share their process's `WorkloadCache`: a generated workload is made
+    once for the same generator, params, seed and block size, and every load gives what a
+    fresh one gives (the variation applied to fresh requests); a generator that reads a
+    file makes its workload every time."""
+    from btb_lab.workload import loader
+
+    gen = {"kind": "poisson", "params": {"requests": 30, "prefix_tokens": 1024}}
+    spec = _spec(generator=gen, block_tokens=256, variation={"arrival_jitter_s": 0.25})
+    longer = _spec(
+        generator={**gen, "params": {"requests": 30, "prefix_tokens": 2048}}, block_tokens=256
+    )
+    fresh = [load_requests(spec, base_dir=FIXTURES, seed=seed) for seed in (1, 1, 2)]
+    counting = CountingGenerators(loader.GENERATORS)
+    monkeypatch.setattr(loader, "GENERATORS", counting)
+    cache = loader.WorkloadCache()
+    cached = [load_requests(spec, base_dir=FIXTURES, seed=seed, cache=cache) for seed in (1, 1, 2)]
+    assert cached == fresh
+    assert counting.seeds == [1, 2]
+    assert not {id(r) for r in cached[0]} & {id(r) for r in cached[1]}
+    assert load_requests(longer, base_dir=FIXTURES, seed=2, cache=cache) == load_requests(
+        longer, base_dir=FIXTURES, seed=2
+    )
+    assert counting.seeds == [1, 2, 2, 2]  # other params: made again (and fresh, uncached)
+
+    reads = {"windows": 1, "real_windows": 1, "real_trace": "mooncake_small.jsonl"}
+    from_file = _spec(generator={"kind": "bursted", "params": reads}, block_tokens=512)
+    for _ in range(2):
+        load_requests(from_file, base_dir=FIXTURES, seed=3, cache=cache)
+    assert counting.seeds[-2:] == [3, 3]
