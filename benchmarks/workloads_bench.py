@@ -27,8 +27,12 @@ runs interleaved, each process with that checkout first on `PYTHONPATH` and a sh
 bytecode cache, after one warm-up run each. Medians of `--runs` runs and the ratios to
 the first checkout are printed. On a shared machine run it under the heavy-work lock.
 
+Then whole `btb-lab sweep` processes (`--sweeps`): the BTB write-up's six-setup table and
+four points over a trace, their points in `--sweep-jobs` processes; per sweep the whole
+time and the user and system time of it and its point processes.
+
 Run: .venv/bin/python benchmarks/workloads_bench.py [--code DIR ...] [--runs 3]
-     [--cases seed_bursty,agentic,...] [--json out.json]
+     [--cases seed_bursty,agentic,...] [--sweeps seed_table,...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -542,6 +546,104 @@ def load_bench(codes: list[Path], windows: int, runs: int, work: Path) -> None:
               f"(runs {each})")  # fmt: skip
 
 
+SWEEPS = {
+    # name: (what, sweep file: "experiments/..." from the checkout, or a case to sweep)
+    "seed_table": (
+        "the BTB write-up's six-setup table, 6 points × 2 variants × 61,800 generated requests",
+        "experiments/btb_seed_table.yaml",
+    ),
+    "seed_bursty_4": ("4 points over the seed_bursty trace (BTB's replicas 1-4)", "seed_bursty"),
+    "seed_bursty_19w_4": ("4 points over the 19-window trace (BTB's replicas 1-4)",
+                          "seed_bursty_19w"),
+}  # fmt: skip
+
+SWEEP_FILE = """\
+name: bench_{case}
+base: {case}.yaml
+axes:
+  replicas:
+{points}
+table:
+  metrics: [ttft_p90]
+  variants: [cache_aware, btb]
+  baseline: cache_aware
+"""
+
+# what the `btb-lab` script runs (run from the work folder, so that the `PYTHONPATH`
+# checkout is the one imported)
+ENTRY = "import sys\nfrom btb_lab.cli import entry\nsys.argv[0] = 'btb-lab'\nsys.exit(entry())"
+
+
+def _sweep_file(name: str, code: Path, work: Path, traces: Path) -> Path:
+    source = SWEEPS[name][1]
+    if source.startswith("experiments/"):
+        own = code / source
+        return own if own.is_file() else ROOT / source
+    prepare(CASES[source], work, traces)
+    path = work / f"sweep_{name}.yaml"
+    points = "\n".join(
+        f"    m{m}: {{variants.btb.router.params.replicas: {m}}}" for m in (1, 2, 3, 4)
+    )
+    path.write_text(SWEEP_FILE.format(case=source, points=points), encoding="utf-8")
+    return path
+
+
+def _sweep_run(code: Path, sweep: Path, jobs: int, work: Path) -> dict[str, float]:
+    """One whole `btb-lab sweep` process: wall, and the user and system time of it and
+    the point processes it waited for, and the largest peak RSS among them."""
+    out = Path(tempfile.mkdtemp(prefix="sweep-", dir=work))
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPATH"] = str(code)
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    argv = [sys.executable, "-c", ENTRY, "sweep", str(sweep), "--jobs", str(jobs),
+            "--out", str(out / "sweep")]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stderr is not None
+    errors = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    whole = time.perf_counter() - start
+    failed = list((out / "sweep" / "points").glob("*/error.txt"))
+    shutil.rmtree(out)
+    if os.waitstatus_to_exitcode(status) != 0 or failed:
+        raise SystemExit(
+            f"{code}: sweep {sweep} failed:\n{errors.decode(errors='replace')[-3000:]}"
+        )
+    return {"whole_s": whole, "user_s": usage.ru_utime, "sys_s": usage.ru_stime,
+            "rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
+
+
+def sweep_bench(
+    names: list[str], codes: list[Path], runs: int, jobs: int, work: Path, traces: Path
+) -> None:
+    """Whole `btb-lab sweep` processes (a sweep's points in `jobs` processes), runs
+    interleaved across checkouts: what a table of points costs, not one run."""
+    for name in names:
+        what = SWEEPS[name][0]
+        files = {_label(c): _sweep_file(name, c, work, traces) for c in codes}
+        by: dict[str, list[dict[str, float]]] = {_label(c): [] for c in codes}
+        for _ in range(runs):
+            for code in codes:
+                by[_label(code)].append(_sweep_run(code, files[_label(code)], jobs, work))
+        labels = list(by)
+        print(f"\nsweep {name}: {what}; --jobs {jobs}")
+        header = f"  {'':<16}" + "".join(f"{label:>14}" for label in labels)
+        print(header + "".join(f"{'×' + label:>12}" for label in labels[1:]))
+        for title, key in (("whole (s)", "whole_s"), ("user (s)", "user_s"),
+                           ("system (s)", "sys_s"), ("peak RSS (MiB)", "rss_mib")):  # fmt: skip
+            medians = [statistics.median(r[key] for r in by[label]) for label in labels]
+            line = f"  {title:<16}" + "".join(f"{_fmt(m, 0 if 'RSS' in title else 2):>14}"
+                                              for m in medians)  # fmt: skip
+            line += "".join(f"{medians[0] / m:>11.2f}×" if m else f"{'—':>12}" for m in medians[1:])
+            print(line)
+        each = ", ".join(
+            f"{label} " + "/".join(f"{r['whole_s']:.2f}" for r in by[label]) for label in labels
+        )
+        print(f"  runs (whole s): {each}")
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
@@ -594,6 +696,10 @@ def main() -> None:
                         help="Folder of the shipped Mooncake traces.")  # fmt: skip
     parser.add_argument("--load-windows", type=int, default=19,
                         help="seed_bursty windows to load (19: 78,280 rows); 0: none.")  # fmt: skip
+    choices = ", ".join(SWEEPS)
+    parser.add_argument("--sweeps", default="seed_table,seed_bursty_4",
+                        help=f"Sweeps, comma-separated ({choices}); '': none.")  # fmt: skip
+    parser.add_argument("--sweep-jobs", type=int, default=2, help="A sweep's --jobs.")
     args = parser.parse_args()
     codes = [c.resolve() for c in args.code] or [ROOT]
     if len({_label(c) for c in codes}) != len(codes):
@@ -622,6 +728,10 @@ def main() -> None:
                     one_run(code, hypotheses[case.name], args.work)
                 )
     report(cases, codes, results)
+    sweeps = [name for name in args.sweeps.split(",") if name]
+    if unknown := [name for name in sweeps if name not in SWEEPS]:
+        raise SystemExit(f"unknown sweep {unknown[0]!r}; choose from {', '.join(SWEEPS)}")
+    sweep_bench(sweeps, codes, args.runs, args.sweep_jobs, args.work, args.traces)
     validate_bench(codes, args.runs, args.work)
     if args.load_windows:
         load_bench(codes, args.load_windows, args.runs, args.work)
