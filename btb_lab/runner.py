@@ -376,10 +376,12 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}
     backend = get_backend(plan.backend)
     jobs = _jobs(options.jobs, backend, len(plan.variants))
-    # a trace replayed by several repeats is parsed once (each repeat gets fresh requests),
-    # and a sweep's points share what their process parsed or generated last
+    # a trace replayed by several repeats is parsed once (each repeat gets fresh requests;
+    # a generator makes each repeat's own workload from its seed), and a sweep's points
+    # share what their process parsed or generated last
     workloads = options.workloads
-    if workloads is None and (plan.repeats > 1 or hyp.auto_repeats):
+    several = plan.repeats > 1 or hyp.auto_repeats
+    if workloads is None and several and hyp.workload.trace is not None:
         workloads = WorkloadCache()
     first_requests = _load_requests(loaded, first_seed, workloads)
     versions = _versions()
