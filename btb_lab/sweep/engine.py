@@ -79,8 +79,8 @@ def run_point(task: PointTask) -> None:
 
     A point draws its plots in its own process (`forked.inline`): the sweep's points
     already share the cores, and the process keeps matplotlib from its last point, where
-    a report child would import it again for every point (the six-setup table: 29.9 ->
-    20.3 s with --jobs 2, 12.4 -> 1.6 s of system time, on 2 cores)."""
+    a report child would import it again for every point and the point process would pay
+    copy-on-write faults on the pages it shares with that child."""
     from btb_lab.report import forked
     from btb_lab.runner import RunOptions, run_hypothesis
 

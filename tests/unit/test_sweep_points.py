@@ -116,6 +116,7 @@ def test_a_point_draws_its_plots_in_its_own_process(monkeypatch: pytest.MonkeyPa
         seen.append((forked.fork_allowed(), options.workloads))
 
     monkeypatch.setattr(runner, "run_hypothesis", fake_run)
+    monkeypatch.setattr(engine, "_workloads", [])  # this test's own, gone after it
     task = PointTask(point_id="p", labels={}, base_path="b.yaml", overrides={}, run_dir="r")
     engine.run_point(task)
     engine.run_point(task)
@@ -123,4 +124,3 @@ def test_a_point_draws_its_plots_in_its_own_process(monkeypatch: pytest.MonkeyPa
     assert seen[0][1] is not None
     assert seen[0][1] is seen[1][1]  # one cache per process
     assert forked.fork_allowed()  # only inside the point
-    engine._workloads.clear()
