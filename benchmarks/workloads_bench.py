@@ -99,6 +99,13 @@ CASES = {
         "published Bursted-ART test split", "bursted_art_19w.jsonl", "bursted-art", 256, 65536,
         windows=19,
     ),
+    # The same requests from `btb-lab trace convert`'s parquet: integer ids, no JSON parse
+    # and no string hash per block; the load stage against seed_bursty_19w's is the gain.
+    "seed_bursty_19w_parquet": Case(
+        "seed_bursty_19w_parquet", "seed_bursty_19w's trace converted to parquet "
+        "(`btb-lab trace convert`)", "bursted_art_19w.parquet", "bursted-art", 256, 65536,
+        windows=19,
+    ),
     # A diagnostic, not a workload: seed_bursty's requests in 32,768-token blocks (3 a
     # request instead of 257); its in-loop rate against seed_bursty's is how much of the
     # engine's time goes to per-block work, the ceiling of a cache that works per run.
@@ -148,7 +155,12 @@ def prepare(case: Case, work: Path, traces: Path) -> Path:
     """Write the case's trace file (unless present) and hypothesis; returns the hypothesis."""
     trace = work / case.trace
     if not trace.is_file():
-        if case.name.startswith("seed_bursty"):
+        if trace.suffix == ".parquet":
+            source = work / CASES[case.name.removesuffix("_parquet")].trace
+            if not source.is_file():
+                prepare(CASES[case.name.removesuffix("_parquet")], work, traces)
+            _btb("trace", "convert", str(source), "-o", str(trace))
+        elif case.name.startswith("seed_bursty"):
             _btb("trace", "generate", "seed_bursty", "--block-tokens", str(case.block_tokens),
                  "-p", f"windows={case.windows}", "-o", str(trace))  # fmt: skip
             _drop_turns(trace)
@@ -167,7 +179,12 @@ def prepare(case: Case, work: Path, traces: Path) -> Path:
             trace.write_bytes((traces / "mooncake_conversation.jsonl").read_bytes())
         else:
             _write_short(trace)
-    case.rows = sum(1 for _ in trace.open("rb"))
+    if trace.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        case.rows = pq.ParquetFile(trace).metadata.num_rows
+    else:
+        case.rows = sum(1 for _ in trace.open("rb"))
     hypothesis = work / f"{case.name}.yaml"
     hypothesis.write_text(
         HYPOTHESIS.format(upper=case.name.upper(), name=case.name, trace=trace, fmt=case.fmt,

@@ -16,7 +16,7 @@ runner = CliRunner()
 
 
 def test_help_mentions_time_scale_semantics() -> None:
-    for command in ("generate", "inspect", "audit", "fetch"):
+    for command in ("generate", "inspect", "audit", "convert", "fetch"):
         result = runner.invoke(app, ["trace", command, "--help"], terminal_width=200)
         assert result.exit_code == 0
         assert "multiplies every inter-arrival gap" in " ".join(result.output.split())

@@ -1,0 +1,129 @@
+"""`btb-lab trace convert`: a Bursted-ART trace rewritten as parquet with integer block ids
+loads to the same requests (every field, in order), through the columnar reader, and a
+run replays it to the same records."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from btb_lab import runner
+from btb_lab.workload import writer
+from btb_lab.workload.formats import load_trace
+from btb_lab.workload.generators import GenContext, generate
+from tests.golden.test_headlines import records_digest
+from tests.helpers import cli
+from tests.unit.test_sweep_points import BASE
+from tests.unit.test_workload_columnar import Paths
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
+
+
+def _generated(folder: Path, kind: str, params: dict[str, object]) -> Path:
+    path = folder / f"{kind}.jsonl"
+    writer.write_bursted_art(generate(kind, params, GenContext(seed=5, block_tokens=256)), path)
+    return path
+
+
+def _sources(folder: Path) -> list[Path]:
+    """Strings ids, turns given and not, sessions, job kinds, windows out of file order."""
+    return [
+        FIXTURES / "bursted_art_small.jsonl",
+        _generated(folder, "agentic", {"sessions": 12, "turns_mean": 4}),
+        _generated(
+            folder,
+            "bursted",
+            {
+                "windows": 2,
+                "burst_size": 20,
+                "prefix_tokens": 4096,
+                "hinted_bursts": 0.5,
+                "hinted_decoys": 0.3,
+            },
+        ),
+    ]
+
+
+def test_a_converted_trace_loads_to_the_same_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for source in _sources(tmp_path):
+        out = tmp_path / f"{source.stem}.parquet"
+        result = cli("trace", "convert", source, "-o", out)
+        assert result.code == 0, result.output
+        assert (
+            f"wrote {len(load_trace(source, 'bursted-art', block_tokens=1).requests):,} rows"
+            in result.out
+        )
+        paths = Paths(monkeypatch)
+        for block_tokens in (1, 256):
+            expected = load_trace(source, "bursted-art", block_tokens=block_tokens)
+            got = load_trace(out, "bursted-art", block_tokens=block_tokens)
+            assert got.requests == expected.requests
+            assert not got.bad_rows
+            ids = {id(b) for r in got.requests for b in r.block_hashes}
+            assert len(ids) == len({b for r in got.requests for b in r.block_hashes})
+        assert paths.fast[1::2] == [True, True]  # the parquet loads took the columnar path
+
+
+def test_a_run_replays_a_converted_trace_to_the_same_records(tmp_path: Path) -> None:
+    shutil.copy(FIXTURES / "bursted_art_small.jsonl", tmp_path / "trace.jsonl")
+    assert (
+        cli("trace", "convert", tmp_path / "trace.jsonl", "-o", tmp_path / "trace.parquet").code
+        == 0
+    )
+    digests = []
+    for name in ("trace.jsonl", "trace.parquet"):
+        hypothesis = tmp_path / f"{name}.yaml"
+        workload = f"trace: {{path: {name}, format: bursted-art}}"
+        hypothesis.write_text(BASE.replace("{workload}", workload), encoding="utf-8")
+        out = tmp_path / f"run-{name}"
+        runner.run_hypothesis(hypothesis, runner.RunOptions(out=out, progress=False))
+        digests.append(records_digest(out))
+    assert digests[0] == digests[1]
+
+
+def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out.parquet"
+    result = cli("trace", "convert", FIXTURES / "mooncake_small.jsonl", "-o", out)
+    assert result.code == 2
+    assert not result.traceback
+    assert "a mooncake trace; convert rewrites Bursted-ART traces" in result.err
+
+    result = cli(
+        "trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", tmp_path / "x.jsonl"
+    )
+    assert result.code == 2
+    assert "the output must be a .parquet file" in result.err
+
+    bad = FIXTURES / "bursted_art_bad.jsonl"
+    result = cli("trace", "convert", bad, "-o", out)
+    assert result.code == 2
+    assert not result.traceback
+    assert result.err.startswith(f"error: {bad}:")
+    assert not out.exists()
+
+    result = cli("trace", "convert", bad, "-o", out, "--skip-bad-rows")
+    assert result.code == 0, result.output
+    kept = load_trace(bad, "bursted-art", block_tokens=1, skip_bad_rows=True)
+    assert f"{len(kept.bad_rows)} malformed rows left out" in result.out
+    assert load_trace(out, "bursted-art", block_tokens=1).requests == kept.requests
+
+
+def test_a_file_that_does_not_load_back_the_same_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = writer.write_bursted_art_parquet
+
+    def drop_last(requests: list, path: Path) -> int:
+        return write(requests[:-1], path)
+
+    monkeypatch.setattr(writer, "write_bursted_art_parquet", drop_last)
+    out = tmp_path / "out.parquet"
+    result = cli("trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", out)
+    assert result.code == 2
+    assert not result.traceback
+    assert "did not load to the same requests; not written" in result.err
+    assert not out.exists()
