@@ -216,16 +216,27 @@ def convert_cmd(
     # One token per block: every id count passes the loader's check here; a run checks
     # the ids against its own block size when it loads the converted file.
     _, loaded = _load(path, fmt, 1, skip_bad_rows, 1.0)
+    partial = out.with_name(f".{out.stem}.partial.parquet")  # loaders go by the suffix
     try:
-        rows = write_bursted_art_parquet(loaded.requests, out)
-    except OverflowError:
-        raise UserError(
-            f"{path}: a block id does not fit in 64 bits; keep the file as it is"
-        ) from None
-    again = load_trace(out, fmt, block_tokens=1, skip_bad_rows=False)
-    if again.bad_rows or again.requests != loaded.requests:
-        out.unlink(missing_ok=True)
-        raise UserError(f"{path}: the parquet file did not load to the same requests; not written")
+        try:
+            rows = write_bursted_art_parquet(loaded.requests, partial)
+        except OverflowError:
+            raise UserError(
+                f"{path}: a block id does not fit in 64 bits; keep the file as it is"
+            ) from None
+        try:
+            again = load_trace(partial, fmt, block_tokens=1, skip_bad_rows=False)
+        except UserError as exc:
+            raise UserError(
+                f"{path}: the parquet file did not load back ({exc}); not written"
+            ) from None
+        if again.bad_rows or again.requests != loaded.requests:
+            raise UserError(
+                f"{path}: the parquet file did not load to the same requests; not written"
+            )
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)
     skipped = f", {len(loaded.bad_rows)} malformed rows left out" if loaded.bad_rows else ""
     typer.echo(f"wrote {rows:,} rows to {out} ({out.stat().st_size:,} bytes{skipped})")
 

@@ -25,6 +25,7 @@ from btb_lab.workload.hashing import stable_hashes63
 
 __all__ = [
     "CHUNK_BYTES",
+    "PARQUET_ROWS",
     "Fallback",
     "block_id_tuples",
     "id_type",
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 25  # JSON read 32 MiB at a time, parsed in blocks of an eighth of that
-_PARQUET_ROWS = 16_384
+PARQUET_ROWS = 16_384  # rows a parquet batch reads
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -179,7 +180,7 @@ def _parquet_batches(path: Path, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
         ):
             raise Fallback(f"parquet column {name} has a type the row loader reads differently")
     columns = [name for name in schema.names if name in present]
-    for batch in handle.iter_batches(batch_size=_PARQUET_ROWS, columns=columns):
+    for batch in handle.iter_batches(batch_size=PARQUET_ROWS, columns=columns):
         arrays = []
         for name in schema.names:
             target = schema.field(name).type

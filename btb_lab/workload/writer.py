@@ -76,12 +76,9 @@ def write_bursted_art(requests: Iterable[Request], path: Path) -> int:
     return count
 
 
-_PARQUET_ROW_GROUP = 16_384  # the columnar reader's batch size
-
-
 def write_bursted_art_parquet(requests: list[Request], path: Path) -> int:
-    """Write `requests` as one Bursted-ART parquet file (written to a temporary name, then
-    renamed); returns the number of rows.
+    """Write `requests` as one Bursted-ART parquet file, in row groups of the columnar
+    reader's batch size; returns the number of rows.
 
     `metadata` is null where a request has turn 1 and no job kind, and carries the turn
     otherwise: turns of 1 left unwritten keep the loader's turn-order checks a subset of
@@ -92,6 +89,8 @@ def write_bursted_art_parquet(requests: list[Request], path: Path) -> int:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from btb_lab.workload.columnar import PARQUET_ROWS
 
     counts = np.fromiter((len(r.block_hashes) for r in requests), np.int64, len(requests))
     offsets = np.zeros(len(requests) + 1, np.int64)
@@ -126,10 +125,5 @@ def write_bursted_art_parquet(requests: list[Request], path: Path) -> int:
         }
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    try:
-        pq.write_table(table, partial, row_group_size=_PARQUET_ROW_GROUP, compression="zstd")
-        partial.replace(path)
-    finally:
-        partial.unlink(missing_ok=True)
+    pq.write_table(table, path, row_group_size=PARQUET_ROWS, compression="zstd")
     return table.num_rows

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from btb_lab import runner
+from btb_lab.records import Request
 from btb_lab.workload import writer
 from btb_lab.workload.formats import load_trace
 from btb_lab.workload.generators import GenContext, generate
@@ -19,6 +21,7 @@ from tests.unit.test_sweep_points import BASE
 from tests.unit.test_workload_columnar import Paths
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
+WRITE = writer.write_bursted_art_parquet
 
 
 def _generated(folder: Path, kind: str, params: dict[str, object]) -> Path:
@@ -112,18 +115,31 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     assert load_trace(out, "bursted-art", block_tokens=1).requests == kept.requests
 
 
-def test_a_file_that_does_not_load_back_the_same_is_removed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _drop_last(requests: list[Request], path: Path) -> int:
+    return WRITE(requests[:-1], path)
+
+
+def _not_parquet(requests: list[Request], path: Path) -> int:
+    path.write_bytes(b"not parquet")
+    return len(requests)
+
+
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (_drop_last, "did not load to the same requests; not written"),
+        (_not_parquet, "the parquet file did not load back ("),
+    ],
+)
+def test_a_file_that_does_not_load_back_the_same_is_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Any, message: str
 ) -> None:
-    write = writer.write_bursted_art_parquet
-
-    def drop_last(requests: list, path: Path) -> int:
-        return write(requests[:-1], path)
-
-    monkeypatch.setattr(writer, "write_bursted_art_parquet", drop_last)
+    monkeypatch.setattr(writer, "write_bursted_art_parquet", write)
     out = tmp_path / "out.parquet"
+    out.write_bytes(b"an earlier file")
     result = cli("trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", out)
     assert result.code == 2
     assert not result.traceback
-    assert "did not load to the same requests; not written" in result.err
-    assert not out.exists()
+    assert message in result.err
+    assert out.read_bytes() == b"an earlier file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]  # no partial file
