@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from btb_lab import __version__, workers
+from btb_lab import __version__, collector, workers
 from btb_lab.backends import Backend, RunContext
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.limits import MAX_UTIL_SAMPLES
@@ -251,9 +251,13 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
 def _load_requests(
     loaded: LoadedHypothesis, seed: int, workloads: WorkloadCache | None = None
 ) -> list[Request]:
-    return load_requests(
+    """A repeat's requests; inside a run (`collector.frozen`) they, and what else lives
+    now, are left out of the cyclic collector's scans for the rest of the run."""
+    requests = load_requests(
         loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed, cache=workloads
     )
+    collector.freeze()
+    return requests
 
 
 def _versions() -> dict[str, str]:
@@ -365,7 +369,7 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     # simulates, and draws the report's plots (`report.forked`)
     from btb_lab.report import forked, png
 
-    with forked.prewarmed(png.pyplot):
+    with forked.prewarmed(png.pyplot), collector.frozen():
         return _run_planned(plan, options, first_seed)
 
 

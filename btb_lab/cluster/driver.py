@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from btb_lab import collector
 from btb_lab.interrupts import Terminated, cancel_on_terminate
 from btb_lab.records import Request, RequestRecord
 
@@ -60,7 +61,6 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
 
         factory = uvloop.new_event_loop
     thresholds = gc.get_threshold()
-    gc.freeze()
     # Young collections stay small and frequent; full passes over the growing set of
     # finished records (each a stall of tens of milliseconds) become rare.
     gc.set_threshold(thresholds[0], thresholds[1], 1000)
@@ -74,6 +74,7 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
 
     try:
         with (
+            collector.frozen(now=True),
             asyncio.Runner(loop_factory=factory) as runner,
             cancel_on_terminate(lambda: tasks[0] if tasks else None) as signals,
         ):
@@ -88,7 +89,6 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
             return result
     finally:
         gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 class RunClock:

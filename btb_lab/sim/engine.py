@@ -21,12 +21,12 @@ rather than token by token. The simulated clock is the only clock.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from btb_lab.collector import paused
 from btb_lab.policies.base import Decision
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.cache import SimInvariantError
@@ -58,13 +58,8 @@ class Engine(MixedSteps):
         self.emit = emit
         # The run allocates millions of small acyclic objects; the cyclic collector would
         # rescan them over and over (about a third of the run time) for nothing.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with paused():
             return self._run(requests)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
 
     def _run(self, requests: Sequence[Request]) -> EngineResult:
         # stable: ties keep their position (a C-level key, not a call per request)

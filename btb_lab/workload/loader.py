@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from btb_lab.collector import paused
 from btb_lab.config.workload import WorkloadSpec
 from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.records import Request
@@ -166,7 +167,15 @@ def load_requests(
 ) -> RequestList:
     """The requests a hypothesis replays, ordered by arrival, with `time_scale` applied;
     a trace file is parsed, or a generator's workload made, once across the loads that
-    share `cache` (a generator that reads a file runs every time)."""
+    share `cache` (a generator that reads a file runs every time). The cyclic collector
+    is paused meanwhile: the requests and their block-id tuples hold no cycles."""
+    with paused():
+        return _load_requests(spec, base_dir=base_dir, seed=seed, cache=cache)
+
+
+def _load_requests(
+    spec: WorkloadSpec, *, base_dir: Path, seed: int, cache: WorkloadCache | None
+) -> RequestList:
     validate_workload_spec(spec, base_dir)
     if spec.trace is not None:
         path = _trace_path(spec, base_dir)

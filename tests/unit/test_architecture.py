@@ -16,9 +16,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "btb_lab"
 # the data contracts and helpers every stage shares (records.py, events.py)
 # shared by every stage: errors, the registry helper, the record types, and the small
-# utilities every layer needs (strict YAML reading, credential redaction, Ctrl-C handling)
+# utilities every layer needs (strict YAML reading, credential redaction, Ctrl-C handling,
+# the cyclic garbage collector kept off loaded and simulated objects)
 BASE = {
     "errors", "registry", "records", "events", "btb_lab", "yamlio", "redact", "interrupts",
+    "collector",
 }  # fmt: skip
 
 # stage -> stages it may import (besides itself and BASE)
@@ -31,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "yamlio": {"errors"},
     "redact": set(),
     "interrupts": set(),
+    "collector": set(),
     # forked workers for a repeat's variants (the runner's; it knows no stage)
     "workers": set(),
     "config": set(),

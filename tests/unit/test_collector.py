@@ -1,0 +1,101 @@
+"""The cyclic collector kept off a run's workload: paused while it loads and simulates,
+its requests frozen out of later collections for the rest of the run, and the
+collector's state given back as it was afterwards (the caller's process goes on)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from btb_lab import collector, runner
+from btb_lab.config.workload import WorkloadSpec
+from btb_lab.sim.engine import Engine
+from btb_lab.workload import load_requests, loader
+from tests.helpers import write_small
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
+
+
+@pytest.fixture(autouse=True)
+def _thawed() -> Iterator[None]:
+    gc.unfreeze()
+    assert gc.isenabled()
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+def test_paused_gives_back_the_state_it_found() -> None:
+    with collector.paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    with collector.paused():
+        pass
+    assert not gc.isenabled()  # a caller's own pause is not undone
+    gc.enable()
+    with pytest.raises(RuntimeError), collector.paused():
+        raise RuntimeError
+    assert gc.isenabled()
+
+
+def test_freeze_holds_until_the_outermost_scope_ends() -> None:
+    collector.freeze()
+    assert gc.get_freeze_count() == 0  # outside a scope nothing would thaw it
+    with collector.frozen():
+        with collector.frozen(now=True):
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0
+        collector.freeze()
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), collector.frozen(now=True):
+        raise RuntimeError
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_scope_that_froze_nothing_leaves_a_callers_freeze_alone() -> None:
+    gc.freeze()
+    before = gc.get_freeze_count()
+    with collector.frozen():
+        pass
+    assert gc.get_freeze_count() == before
+
+
+def test_loading_pauses_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    enabled_while_parsing: list[bool] = []
+    parse = loader.load_trace
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        enabled_while_parsing.append(gc.isenabled())
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_trace", spy)
+    spec = WorkloadSpec.model_validate({"trace": {"path": "mooncake_small.jsonl"}})
+    assert len(load_requests(spec, base_dir=FIXTURES, seed=0)) == 4
+    assert enabled_while_parsing == [False]
+    assert gc.isenabled()
+
+
+def test_a_run_simulates_on_frozen_requests_and_thaws_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    frozen_during: list[tuple[int, bool]] = []
+    run = Engine._run
+
+    def spy(self: Engine, requests: object) -> object:
+        frozen_during.append((gc.get_freeze_count(), gc.isenabled()))
+        return run(self, requests)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "_run", spy)
+    path = write_small(tmp_path)
+    options = runner.RunOptions(out=tmp_path / "out", progress=False, jobs=1)
+    outcome = runner.run_hypothesis(path, options)
+    assert outcome.verdict is not None
+    assert len(frozen_during) == 2  # both variants
+    assert all(count > 0 and not enabled for count, enabled in frozen_during)
+    assert gc.get_freeze_count() == 0
+    assert gc.isenabled()
