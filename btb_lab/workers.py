@@ -232,7 +232,12 @@ def run_tasks(tasks: list[Task], jobs: int) -> None:
                 for key, _ in ready:
                     worker = running[key.fd]
                     if not _read(worker):
+                        # out of the epoll set before the close: a later worker holds a
+                        # copy of this pipe's read end (forked while it was open), so the
+                        # close alone would leave its hang-up reported to every select,
+                        # a busy loop on a core the other workers need
                         selector.unregister(key.fd)
+                        os.close(key.fd)
                         del running[key.fd]
                         _reap(worker)
                         finished.append(worker)
@@ -279,10 +284,9 @@ def _start(order: int, task: Task, received: list[int]) -> _Running:
 
 
 def _read(worker: _Running) -> bool:
-    """Handle what the worker sent; False at its end (EOF)."""
+    """Handle what the worker sent; False at its end (EOF; the caller closes the fd)."""
     data = os.read(worker.fd, 1 << 16)
     if not data:
-        os.close(worker.fd)
         return False
     worker.buffer += data
     *lines, worker.buffer = worker.buffer.split(b"\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import signal
 import time
 from pathlib import Path
@@ -103,6 +104,36 @@ def test_a_worker_that_dies_is_reported_and_the_others_finish() -> None:
     done = [entry for entry in log if entry[0] == "done"]
     assert done[0] == ("done", None, "its worker process died before it answered")
     assert done[1] == ("done", "fine", "")
+
+
+def test_the_parent_waits_for_a_slower_worker_without_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second worker holds a copy of the first one's pipe (forked while it was open):
+    after the first ends, the parent's select must block, not wake for that pipe's
+    hang-up again and again while the second runs (a busy loop on a core the workers
+    need)."""
+    selects: list[float | None] = []
+
+    class Counting(selectors.DefaultSelector):
+        def select(self, timeout: float | None = None) -> Any:
+            selects.append(timeout)
+            return super().select(timeout)
+
+    monkeypatch.setattr(workers.selectors, "DefaultSelector", Counting)
+
+    def quick(progress: workers.WorkerProgress) -> Any:
+        return "quick"
+
+    def slow(progress: workers.WorkerProgress) -> Any:
+        time.sleep(0.6)
+        return "slow"
+
+    log: list[Any] = []
+    workers.run_tasks([_task(quick, log), _task(slow, log)], jobs=2)
+    assert [entry[1] for entry in log if entry[0] == "done"] == ["quick", "slow"]
+    # about one select per 0.1 s waited plus one per message; spinning made thousands
+    assert len(selects) < 50
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
