@@ -16,6 +16,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from btb_lab.collector import paused
 from btb_lab.config.limits import MAX_TOKENS
 from btb_lab.errors import UserError
 from btb_lab.records import Request
@@ -540,9 +541,11 @@ def _columnar_art_chat(col: Any, path: Path, block_tokens: int) -> list[Request]
 def load_trace(
     path: Path, fmt: str, *, block_tokens: int = 512, skip_bad_rows: bool = False
 ) -> LoadedTrace:
-    """Load a trace file with the named format (unknown names list the known ones)."""
+    """Load a trace file with the named format (unknown names list the known ones), the
+    cyclic collector paused (the requests and their block-id tuples hold no cycles)."""
     loader = FORMATS.get(fmt)
-    return loader(path, block_tokens, skip_bad_rows)
+    with paused():
+        return loader(path, block_tokens, skip_bad_rows)
 
 
 _FORMAT_KEYS = (

@@ -14,7 +14,7 @@ import pytest
 from btb_lab import collector, runner
 from btb_lab.config.workload import WorkloadSpec
 from btb_lab.sim.engine import Engine
-from btb_lab.workload import load_requests, loader
+from btb_lab.workload import formats, load_requests, loader
 from tests.helpers import write_small
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
@@ -76,6 +76,22 @@ def test_loading_pauses_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader, "load_trace", spy)
     spec = WorkloadSpec.model_validate({"trace": {"path": "mooncake_small.jsonl"}})
     assert len(load_requests(spec, base_dir=FIXTURES, seed=0)) == 4
+    assert enabled_while_parsing == [False]
+    assert gc.isenabled()
+
+
+def test_a_trace_parses_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`load_trace` itself (`trace convert`, `trace audit` and the loader all use it)."""
+    enabled_while_parsing: list[bool] = []
+    parse = formats.FORMATS.get("mooncake")
+
+    def spy(*args: Any) -> Any:
+        enabled_while_parsing.append(gc.isenabled())
+        return parse(*args)
+
+    monkeypatch.setattr(formats.FORMATS, "get", lambda name: spy)
+    loaded = formats.load_trace(FIXTURES / "mooncake_small.jsonl", "mooncake")
+    assert len(loaded.requests) == 4
     assert enabled_while_parsing == [False]
     assert gc.isenabled()
 
