@@ -6,8 +6,7 @@ rescans them: while they are made (the collections their allocation triggers) an
 they live, in every full collection after (the report's, the record sink's). `paused()`
 keeps it off while a stage allocates; `frozen()` with `freeze()` takes what is alive
 at that moment out of its scans until the outermost `frozen()` ends (objects still die
-by reference counting as usual). Frozen objects are also never written by a collection
-in a forked worker, so the worker copies fewer of the parent's pages.
+by reference counting as usual).
 """
 
 from __future__ import annotations
