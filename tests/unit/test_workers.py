@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import selectors
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from btb_lab import workers
+from btb_lab import runner, workers
 from btb_lab.errors import UserError
+from btb_lab.records import Request
 from tests.helpers import cli, write_small
 
 
@@ -222,6 +225,44 @@ def test_variants_in_workers_give_the_run_of_one_after_another(
     summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two")]
     assert summaries[0]["variants"] == summaries[1]["variants"]
     assert summaries[0]["verdict"] == summaries[1]["verdict"]
+
+
+def _faults_reading_ids(requests: list[Request], own_pages_first: bool) -> int:
+    """Minor page faults a forked worker takes reading every request's block ids, after
+    `runner._own_pages` or without it."""
+    log: list[Any] = []
+
+    def work(progress: workers.WorkerProgress) -> int:
+        if own_pages_first:
+            runner._own_pages(requests)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        held = [request.block_hashes for request in requests]
+        taken = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        del held
+        return taken
+
+    workers.run_tasks([_task(work, log)], 1)
+    answers = [entry[1] for entry in log if entry[0] == "done"]
+    assert len(answers) == 1 and isinstance(answers[0], int), log
+    return answers[0]
+
+
+def test_a_worker_takes_its_copies_of_the_requests_pages_before_its_run() -> None:
+    """A worker's run writes reference counts on requests the parent loaded, each write
+    to a page still shared with the parent a copy-on-write fault in the middle of the
+    event loop; `_own_pages` takes them all first, in one loop (benchmarks/README.md)."""
+    if not workers.can_fork() or not sys.platform.startswith("linux"):
+        pytest.skip("needs fork and Linux's per-process fault counts")
+    ids = tuple(range(10**6, 10**6 + 300))  # ~2.4 KB a tuple: about a page each
+    requests = [Request(request_id=f"r{i}", arrival_s=float(i), input_tokens=300 * 16,
+                        output_tokens=1, block_hashes=ids[:299] + (i,), block_tokens=16)
+                for i in range(4000)]  # fmt: skip
+    without = _faults_reading_ids(requests, own_pages_first=False)
+    if without < len(requests) // 4:
+        pytest.skip(f"{without} faults for {len(requests)} requests: this kernel does not "
+                    "copy shared pages one at a time")  # fmt: skip
+    after = _faults_reading_ids(requests, own_pages_first=True)
+    assert after <= without // 20, (without, after)
 
 
 def test_a_variant_whose_worker_dies_is_a_failed_run_and_the_others_are_kept(
