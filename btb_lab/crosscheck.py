@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from btb_lab.errors import UserError
-from btb_lab.results import new_run_id
+from btb_lab.results import check_out, new_run_id
 from btb_lab.runner import RunOptions, RunOutcome, plan_run, run_hypothesis
 
 __all__ = ["CROSSCHECK", "Crosscheck", "CrosscheckOutcome", "load_crosscheck", "run_crosscheck"]
@@ -72,8 +72,7 @@ def run_crosscheck(
     plan = plan_run(path, replace(options, backend=backends[0], dry_run=True))
     hid = plan.hypothesis.id
     root = options.out or options.results_root / hid / f"{new_run_id()}-crosscheck"
-    if root.exists() and any(root.iterdir()):
-        raise UserError(f"--out {root} exists and is not empty")
+    check_out(root)
     root.mkdir(parents=True, exist_ok=True)
     profile_rel: str | None = None
     overrides: dict[str, Any] = dict(options.overrides)

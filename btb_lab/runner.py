@@ -53,6 +53,7 @@ from btb_lab.results import (
     JsonlRecordSink,
     Manifest,
     RunEntry,
+    check_out,
     finalize_parquet,
     new_run_dir,
     new_run_id,
@@ -375,6 +376,8 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
 
 def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutcome:
     hyp, loaded = plan.hypothesis, plan.loaded
+    if options.out is not None:
+        check_out(options.out)
     # Every variant's resolved blocks and cost model, built once before anything runs (a
     # topology that does not fit fails here, not after the first variant ran).
     worlds = {name: _variant_world(hyp, name, loaded.base_dir) for name in plan.variants}

@@ -71,16 +71,22 @@ def new_run_id() -> str:
     return f"{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
 
 
+def check_out(out: Path) -> None:
+    """Refuse an `--out` that is a file or a folder with something in it (a run checks
+    before it loads its workload, not only once it has simulated)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} exists and is not empty")
+
+
 def new_run_dir(
     results_root: Path, hypothesis_id: str, *, out: Path | None = None, run_id: str | None = None
 ) -> Path:
     """Create `results/<id>/<run id>/` (or `out`, which must be empty). A folder that
     cannot be created (read-only, no permission, a file in the way) is an `OutputError`."""
     if out is not None:
-        if out.exists() and not out.is_dir():
-            raise UserError(f"--out {out} exists and is not a directory")
-        if out.exists() and any(out.iterdir()):
-            raise UserError(f"--out {out} exists and is not empty")
+        check_out(out)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -236,3 +236,29 @@ def test_metrics_scrape_interval_is_bounded_below(value: float, ok: bool) -> Non
     else:  # a busy loop of HTTP requests to every instance is not
         with pytest.raises(ValidationError, match=r"greater than or equal to 0\.01"):
             LaunchSettings(metrics_interval_s=value)
+
+
+@pytest.mark.parametrize("kind", ["folder with a file", "file"])
+def test_an_out_in_the_way_is_refused_before_the_workload_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """`--out` taken is said before the run loads its trace or generates its workload
+    (minutes on a research-sized trace), not after it simulated."""
+    import btb_lab.runner
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the workload was loaded")
+
+    monkeypatch.setattr(btb_lab.runner, "_load_requests", no_load)
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("x")
+    else:
+        out.mkdir()
+        (out / "kept.txt").write_text("kept")
+    result = cli("run", write_small(tmp_path), "--no-progress", "--out", out)
+    assert result.code == 2, result.output
+    assert f"--out {out} exists" in result.output
+    assert "Traceback" not in result.output
+    kept = out if kind == "file" else out / "kept.txt"
+    assert kept.read_text() == ("x" if kind == "file" else "kept")

@@ -243,7 +243,8 @@ def _faults_reading_ids(requests: list[Request], own_pages_first: bool) -> int:
 
     workers.run_tasks([_task(work, log)], 1)
     answers = [entry[1] for entry in log if entry[0] == "done"]
-    assert len(answers) == 1 and isinstance(answers[0], int), log
+    assert len(answers) == 1, log
+    assert isinstance(answers[0], int), log
     return answers[0]
 
 
@@ -255,7 +256,7 @@ def test_a_worker_takes_its_copies_of_the_requests_pages_before_its_run() -> Non
         pytest.skip("needs fork and Linux's per-process fault counts")
     ids = tuple(range(10**6, 10**6 + 300))  # ~2.4 KB a tuple: about a page each
     requests = [Request(request_id=f"r{i}", arrival_s=float(i), input_tokens=300 * 16,
-                        output_tokens=1, block_hashes=ids[:299] + (i,), block_tokens=16)
+                        output_tokens=1, block_hashes=(*ids[:299], i), block_tokens=16)
                 for i in range(4000)]  # fmt: skip
     without = _faults_reading_ids(requests, own_pages_first=False)
     if without < len(requests) // 4:
