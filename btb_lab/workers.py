@@ -215,7 +215,9 @@ def run_tasks(tasks: list[Task], jobs: int) -> None:
         try:
             while pending or running:
                 while pending and len(running) < jobs and stop is None:
-                    worker = _start(len(tasks) - len(pending), pending.pop(0), received)
+                    siblings = [*running, selector.fileno()]
+                    worker = _start(len(tasks) - len(pending), pending.pop(0), received,
+                                    siblings)  # fmt: skip
                     running[worker.fd] = worker
                     selector.register(worker.fd, selectors.EVENT_READ)
                 if not running:
@@ -232,10 +234,10 @@ def run_tasks(tasks: list[Task], jobs: int) -> None:
                 for key, _ in ready:
                     worker = running[key.fd]
                     if not _read(worker):
-                        # out of the epoll set before the close: a later worker holds a
-                        # copy of this pipe's read end (forked while it was open), so the
-                        # close alone would leave its hang-up reported to every select,
-                        # a busy loop on a core the other workers need
+                        # out of the epoll set before the close: epoll watches the open
+                        # pipe, not this fd, and while any copy of its read end were
+                        # open (a worker forked before `_start` closed them) its hang-up
+                        # would be reported to every select, a busy loop on a core
                         selector.unregister(key.fd)
                         os.close(key.fd)
                         del running[key.fd]
@@ -261,7 +263,9 @@ def run_tasks(tasks: list[Task], jobs: int) -> None:
             raise _rebuild(worker.raised)
 
 
-def _start(order: int, task: Task, received: list[int]) -> _Running:
+def _start(order: int, task: Task, received: list[int], parents_fds: list[int]) -> _Running:
+    """Fork the worker of `task`; it closes `parents_fds` (the parent's epoll set and the
+    read ends of the workers already running), which are none of its business."""
     progress = task.start()
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
@@ -274,7 +278,8 @@ def _start(order: int, task: Task, received: list[int]) -> _Running:
     if pid == 0:  # the worker: it never returns into the parent's code
         code = 1
         try:
-            os.close(read_fd)
+            for fd in (read_fd, *parents_fds):
+                os.close(fd)
             _worker(task, write_fd, parent, received)
             code = 0
         finally:

@@ -112,10 +112,9 @@ def test_a_worker_that_dies_is_reported_and_the_others_finish() -> None:
 def test_the_parent_waits_for_a_slower_worker_without_spinning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The second worker holds a copy of the first one's pipe (forked while it was open):
-    after the first ends, the parent's select must block, not wake for that pipe's
-    hang-up again and again while the second runs (a busy loop on a core the workers
-    need)."""
+    """After the first worker ends, the parent's select must block, not wake for that
+    pipe's hang-up again and again while the second runs (a busy loop on a core the
+    workers need; it spun while the second worker held a copy of the first one's pipe)."""
     selects: list[float | None] = []
 
     class Counting(selectors.DefaultSelector):
@@ -225,6 +224,33 @@ def test_variants_in_workers_give_the_run_of_one_after_another(
     summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two")]
     assert summaries[0]["variants"] == summaries[1]["variants"]
     assert summaries[0]["verdict"] == summaries[1]["verdict"]
+
+
+def _pipes_and_epolls() -> tuple[int, int]:
+    """How many pipes and epoll sets this process has open."""
+    kinds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+             if os.path.exists(f"/proc/self/fd/{fd}")]  # fmt: skip
+    return sum(k.startswith("pipe:") for k in kinds), sum("eventpoll" in k for k in kinds)
+
+
+def test_a_worker_holds_none_of_the_parents_pipes_and_epoll_set() -> None:
+    """A worker forked while another runs does not keep that one's pipe open (nor the
+    parent's epoll set): it has the pipes the first worker has, no more."""
+    if not workers.can_fork() or not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs fork and /proc")
+
+    def first(progress: workers.WorkerProgress) -> Any:
+        time.sleep(0.5)  # still running when the second is forked
+        return _pipes_and_epolls()
+
+    def second(progress: workers.WorkerProgress) -> Any:
+        return _pipes_and_epolls()
+
+    log: list[Any] = []
+    workers.run_tasks([_task(first, log), _task(second, log)], jobs=2)
+    answers = [entry[1] for entry in log if entry[0] == "done"]
+    assert answers[1] == answers[0], answers
+    assert answers[0][1] == 0, answers
 
 
 def _faults_reading_ids(requests: list[Request], own_pages_first: bool) -> int:
