@@ -19,6 +19,8 @@ Aggregation keeps a million-request timeline cheap: counters are runs on a fixed
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
@@ -135,11 +137,10 @@ def timeline_events(records: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame
     """Stored events, plus reconstructions for every (variant, repeat, kind) of waiting,
     running and kv_transfer the backend did not record."""
     frames = [events] if not events.empty else []
-    have = (
-        set(zip(events["variant"], events["repeat"], events["kind"], strict=True))
-        if not events.empty
-        else set()
-    )
+    have: set[tuple[Any, Any, Any]] = set()
+    if not events.empty:  # the distinct keys first, not a Python step per event
+        keys = events[["variant", "repeat", "kind"]].drop_duplicates()
+        have = set(zip(keys["variant"], keys["repeat"], keys["kind"], strict=True))
     # (variant, repeat) pairs in order of appearance, as a groupby without sorting gives
     # them, without materializing each group's rows
     pairs = records[["variant", "repeat"]].drop_duplicates()

@@ -519,7 +519,7 @@ def _origins(merged: pd.DataFrame) -> list[str]:
     lines = []
     for kind, rows in merged.groupby("kind", sort=True):
         words = []
-        for origin in sorted(set(rows["origin"].astype(str))):
+        for origin in sorted(set(rows["origin"].astype(str).unique())):
             note = _ORIGIN_NOTES.get((str(kind), origin))
             words.append(_ORIGIN_WORDS.get(origin, origin) + (f" ({note})" if note else ""))
         lines.append(f"`{kind}`: " + "; ".join(words))

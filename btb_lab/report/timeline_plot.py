@@ -148,7 +148,7 @@ def _provenance(events: pd.DataFrame) -> str:
     for kind, label in (("waiting", "queue"), ("running", "batch"),
                         ("burst_detected", "detections"), ("warm_copy", "warm copies"),
                         ("kv_transfer", "KV transfers")):  # fmt: skip
-        origins = sorted(set(events.loc[events["kind"] == kind, "origin"].astype(str)))
+        origins = sorted(set(events.loc[events["kind"] == kind, "origin"].astype(str).unique()))
         if origins:
             text = ", ".join(_SHORT_ORIGINS.get(o, o) for o in origins)
             if kind == "warm_copy" and "policy" in origins:
@@ -314,7 +314,7 @@ class _Timeline:
             Line2D([], [], color=self.route_color[r], marker="|", ls="", ms=10, mew=2, label=r)
             for r in routes
         ]
-        kinds = set(events["kind"]) if not events.empty else set()
+        kinds = set(events["kind"].unique()) if not events.empty else set()
         if len(bursts):
             marks.append(Patch(color=_BURST, alpha=0.6, label="burst window (workload)"))
         if "burst_detected" in kinds:
