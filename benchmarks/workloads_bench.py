@@ -11,8 +11,10 @@ Every run is a fresh process; the figures per run:
   memory the run takes from the machine, pages shared copy-on-write counted once;
 - stages: import (the CLI's modules), load (trace → requests), simulate (every variant,
   records stored), finish (the records' parquet conversion and the last manifest, where
-  the checkout has `runner._finish`), analyse (`analyze_run`: metrics, bootstrap,
-  verdict), report (plots and report.md), other (the rest of the command: planning,
+  the checkout has `runner._finish`), analyse (`analyze_run`, or its two halves
+  `read_stored_run` and `analyze_stored` where the plots are drawn meanwhile: reading the
+  run back, metrics, bootstrap, verdict), report (plots and report.md: the drawing the
+  analysis did not hide), other (the rest of the command: planning,
   printing), start+exit (the interpreter's start, and its teardown where the checkout's
   console script has one);
 - in-loop: simulated requests per second inside the engine's event loop (the record
@@ -281,7 +283,9 @@ PATCHES = {
                        ("_finish", lambda f: timed("finish", f))],
     "btb_lab.sim.backend": [("run_engine", engine_loop)],
     "btb_lab.report.render": [("build_report", lambda f: timed("report", f)),
-                              ("analyze_run", lambda f: timed("analyse", f, minus="report"))],
+                              ("analyze_run", lambda f: timed("analyse", f, minus="report")),
+                              ("read_stored_run", lambda f: timed("analyse", f, minus="report")),
+                              ("analyze_stored", lambda f: timed("analyse", f, minus="report"))],
 }
 
 class Patcher(importlib.abc.MetaPathFinder):

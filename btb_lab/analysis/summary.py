@@ -27,11 +27,14 @@ from btb_lab.results import Manifest, read_events, read_records, read_utilizatio
 
 __all__ = [
     "AnalyzedRun",
+    "StoredRun",
     "analyze_frames",
     "analyze_run",
+    "analyze_stored",
     "classified",
     "incomplete_reason",
     "measured_frames",
+    "read_stored_run",
     "summarize_fidelity",
 ]
 
@@ -124,8 +127,25 @@ def incomplete_reason(manifest: Manifest) -> str:
     return "run incomplete"
 
 
-def analyze_run(run_dir: Path) -> AnalyzedRun:
-    """Everything the report needs, computed from the stored run."""
+@dataclass
+class StoredRun:
+    """A stored run read back, its records timed and classified and the measured window
+    applied, before any statistics: what the plots draw, so a report can hand them to
+    its drawing process and analyze meanwhile."""
+
+    run_dir: Path
+    manifest: Manifest
+    hypothesis: Hypothesis
+    variants: list[str]
+    records: pd.DataFrame
+    utilization: pd.DataFrame
+    exclusion: Exclusion | None
+    all_records: pd.DataFrame
+    events: pd.DataFrame
+
+
+def read_stored_run(run_dir: Path) -> StoredRun:
+    """The stored run's manifest, hypothesis, records, utilization and events."""
     manifest = Manifest.load(run_dir)
     hypothesis = stored_hypothesis(manifest, run_dir)
     variants: list[str] = list(manifest.variants or hypothesis.variants)
@@ -133,6 +153,20 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
     records, util, exclusion = apply_exclusion(
         all_records, read_utilization(run_dir, variants), hypothesis.verdict.exclude
     )
+    return StoredRun(run_dir, manifest, hypothesis, variants, records, util, exclusion,
+                     all_records, read_events(run_dir, variants))  # fmt: skip
+
+
+def analyze_run(run_dir: Path) -> AnalyzedRun:
+    """Everything the report needs, computed from the stored run."""
+    return analyze_stored(read_stored_run(run_dir))
+
+
+def analyze_stored(stored: StoredRun) -> AnalyzedRun:
+    """The verdict, metrics and summary of a run read back (`read_stored_run`)."""
+    run_dir, manifest, hypothesis = stored.run_dir, stored.manifest, stored.hypothesis
+    variants, records, util = stored.variants, stored.records, stored.utilization
+    all_records, exclusion, events = stored.all_records, stored.exclusion, stored.events
     verdict = evaluate_verdict(
         records, util, hypothesis.verdict, baseline=hypothesis.baseline, variants=variants,
         seed=hypothesis.seed, failed=manifest.failed_variants,
@@ -141,7 +175,6 @@ def analyze_run(run_dir: Path) -> AnalyzedRun:
     variant_block = summarize_variants(
         records, util, variants, [rule.name for rule in hypothesis.classes]
     )
-    events = read_events(run_dir, variants)
     for name, spend in warm_spend(events, all_records, variants).items():
         if name in variant_block:
             variant_block[name].warm = spend

@@ -13,7 +13,8 @@ again for every point).
 
 A run goes one step further (`prewarmed`): it forks a `Warm` child before it loads and
 simulates, which imports matplotlib on the second core meanwhile (about as long as the
-drawing itself), and the report then hands the plots to that child.
+drawing itself), and the report then hands the plots to that child before it computes
+the statistics, so the drawing and the analysis run side by side.
 """
 
 from __future__ import annotations
@@ -134,14 +135,17 @@ def start(work: Callable[[], Any]) -> Forked | None:
 
 class Warm:
     """A child forked ahead of its one call, which it has prepared for (imports) meanwhile;
-    `call` sends it the function and arguments (pickled: a pipe between this process and
-    its own fork) and waits for the JSON answer, None when the child failed."""
+    `send` gives it the function and arguments (pickled: a pipe between this process and
+    its own fork), `result` waits for the JSON answer, None when the child failed; `call`
+    is the two in one."""
 
     def __init__(self, pid: int, command_fd: int, answer_fd: int) -> None:
         self._command_fd = command_fd
         self._child = Forked(pid, answer_fd)
+        self._sent = False
 
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def send(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Start the call; False when it could not be sent (the child is then stopped)."""
         try:
             payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
             with os.fdopen(self._command_fd, "wb") as pipe:
@@ -149,8 +153,15 @@ class Warm:
                 pipe.write(payload)
         except (OSError, pickle.PicklingError, AttributeError):  # the child died; a lambda
             self.close()
-            return None
-        return self._child.result()
+            return False
+        self._sent = True
+        return True
+
+    def result(self) -> Any:
+        return self._child.result() if self._sent else None
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self.result() if self.send(fn, *args, **kwargs) else None
 
     def close(self) -> None:
         if self._command_fd >= 0:  # never called: the child reads an empty command and exits

@@ -16,7 +16,7 @@ import pandas as pd
 
 from btb_lab.analysis.models import Comparison, RequestMetrics, Summary
 from btb_lab.analysis.scopes import measured_window, rows_where
-from btb_lab.analysis.summary import AnalyzedRun, analyze_run
+from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, read_stored_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.report import forked
@@ -497,7 +497,7 @@ _ORIGIN_NOTES = {
 }
 
 
-def first_repeat_events(run: AnalyzedRun) -> pd.DataFrame:
+def first_repeat_events(run: StoredRun | AnalyzedRun) -> pd.DataFrame:
     """The first repeat's events as the timeline draws them (stored, plus what the records
     reconstruct)."""
     from btb_lab.analysis.timeline import timeline_events
@@ -526,7 +526,7 @@ def _origins(merged: pd.DataFrame) -> list[str]:
     return lines
 
 
-def _excluded_spans(run: AnalyzedRun) -> list[tuple[float, float]]:
+def _excluded_spans(run: StoredRun | AnalyzedRun) -> list[tuple[float, float]]:
     """The warmup and cooldown of the first repeat, as time spans for the timeline."""
     rule = run.hypothesis.verdict.exclude
     rows = run.all_records
@@ -544,20 +544,28 @@ def _excluded_spans(run: AnalyzedRun) -> list[tuple[float, float]]:
 
 
 def build_report(run_dir: Path) -> AnalyzedRun:
-    """Analyze a stored run and (re)write `summary.json`, `plots/` and `report.md`."""
+    """Analyze a stored run and (re)write `summary.json`, `plots/` and `report.md`. The
+    plots need no statistics: they go to the run's drawing child, when it has one, before
+    the analysis starts, and the two run side by side."""
     from btb_lab.report.plots import write_plots
 
-    run = analyze_run(run_dir)
-    run.summary.save(run_dir)
-    timeline = first_repeat_events(run)
-    context = entry_context(run, timeline)
-    args = (run_dir / "plots", run.records, run.utilization,
-            list(run.summary.variants), [r.name for r in run.hypothesis.classes])  # fmt: skip
-    kwargs: dict[str, Any] = {"all_records": run.all_records, "events": timeline,
-              "excluded": _excluded_spans(run)}  # fmt: skip
+    stored = read_stored_run(run_dir)
+    timeline = first_repeat_events(stored)
+    args = (run_dir / "plots", stored.records, stored.utilization, list(stored.variants),
+            [r.name for r in stored.hypothesis.classes])  # fmt: skip
+    kwargs: dict[str, Any] = {"all_records": stored.all_records, "events": timeline,
+              "excluded": _excluded_spans(stored)}  # fmt: skip
     # a run's child, matplotlib imported while the run simulated, draws them (`forked`)
     worker = forked.take_warm()
-    drawn = worker.call(write_plots, *args, **kwargs) if worker is not None else None
+    try:
+        sent = worker is not None and worker.send(write_plots, *args, **kwargs)
+        run = analyze_stored(stored)
+        run.summary.save(run_dir)
+        context = entry_context(run, timeline)
+        drawn = worker.result() if worker is not None and sent else None
+    finally:
+        if worker is not None:
+            worker.close()
     if drawn is None:
         context["plots"] = write_plots(*args, **kwargs)
     else:

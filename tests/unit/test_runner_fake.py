@@ -376,6 +376,35 @@ def test_a_run_draws_its_plots_in_a_warm_child_with_the_same_bytes(
         os.waitpid(-1, os.WNOHANG)
 
 
+def test_the_plots_are_sent_to_the_warm_child_before_the_analysis_starts(
+    tmp_path: Path, fake_effects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plots need no statistics: the child draws them while the parent computes the
+    verdict (bootstrap, metrics), and the report waits for both."""
+    from btb_lab.analysis import summary
+    from btb_lab.report import forked, render
+
+    order: list[str] = []
+    send, analyze = forked.Warm.send, summary.analyze_stored
+
+    def sent(self: forked.Warm, *args: object, **kwargs: object) -> bool:
+        order.append("plots sent")
+        return send(self, *args, **kwargs)
+
+    def analyzed(stored: summary.StoredRun) -> summary.AnalyzedRun:
+        order.append("analysis")
+        return analyze(stored)
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    monkeypatch.setattr(forked.Warm, "send", sent)
+    monkeypatch.setattr(render, "analyze_stored", analyzed)
+    run = run_fake(tmp_path, out="warm")
+    assert order == ["plots sent", "analysis"]
+    assert len(_plots(run.run_dir)) >= 3
+    with pytest.raises(ChildProcessError):  # the child was reaped
+        os.waitpid(-1, os.WNOHANG)
+
+
 def test_warm_child_answers_once_and_exits_unused(monkeypatch: pytest.MonkeyPatch) -> None:
     from btb_lab.report import forked
 
@@ -383,12 +412,21 @@ def test_warm_child_answers_once_and_exits_unused(monkeypatch: pytest.MonkeyPatc
     worker = forked.warm(lambda: None)
     assert worker is not None
     assert worker.call(divmod, 17, 5) == [3, 2]
+    apart = forked.warm(lambda: None)
+    assert apart is not None
+    assert apart.send(divmod, 9, 4)
+    assert divmod(1, 1) == (1, 0)  # the parent goes on meanwhile
+    assert apart.result() == [2, 1]
     unused = forked.warm(lambda: None)
     assert unused is not None
     unused.close()  # never called: stopped and reaped
     failing = forked.warm(lambda: None)
     assert failing is not None
     assert failing.call(lambda: 1) is None  # a lambda cannot be sent: the parent draws
+    refused = forked.warm(lambda: None)
+    assert refused is not None
+    assert not refused.send(lambda: 1)
+    assert refused.result() is None
     with pytest.raises(ChildProcessError):
         os.waitpid(-1, os.WNOHANG)
     with forked.prewarmed(lambda: None) as held:
