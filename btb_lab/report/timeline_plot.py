@@ -13,7 +13,7 @@ burst note and title on the whole timeline's figure.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pandas as pd
 
 from btb_lab.analysis.scopes import rows_where, variant_rows
 from btb_lab.analysis.timeline import burst_windows, route_counts, timeline_events
+from btb_lab.report import forked
 from btb_lab.report.png import save
 
 __all__ = ["write_timelines"]
@@ -408,21 +409,34 @@ def write_timelines(
     which = f"repeat 1 of {repeats}" if repeats > 1 else "the run"
     shown = rows_where(records, records["repeat"] == repeat)
     events = timeline_events(shown, events[events["repeat"] == repeat] if len(events) else events)
-    written: list[tuple[str, str]] = []
     timeline = _Timeline(plt, shown, events, variants, repeat, excluded)
     bursts = burst_windows(shown, variants[0], repeat)
-    fig = timeline.show(None, f"Timeline, {which}: arrivals by route, queue depth and running "
-                              "batch per instance")  # fmt: skip
-    save(fig, plots_dir / "timeline.png", dpi=90, close=not len(bursts))
-    written.append((f"Timeline ({which})", "plots/timeline.png"))
+    zoom: Callable[[], list[tuple[str, str]]] | None = None
+    child: forked.Forked | None = None
     if len(bursts):
         first = bursts.iloc[0]
         length = float(first["end_s"] - first["start_s"])
         window = (float(first["start_s"]) - max(1.0, 0.15 * length),
                   float(first["end_s"]) + max(6.0, 0.9 * length))  # fmt: skip
-        fig = timeline.show(window, f"First burst ({first['group_id']}, "
-                                    f"{int(first['requests'])} requests), {which}: detection, "
-                                    "warm copies landing, queues")  # fmt: skip
-        save(fig, plots_dir / "timeline_zoom.png", dpi=90)
-        written.append(("Timeline around the first burst", "plots/timeline_zoom.png"))
+        title = (f"First burst ({first['group_id']}, {int(first['requests'])} requests), "
+                 f"{which}: detection, warm copies landing, queues")  # fmt: skip
+
+        def zoom() -> list[tuple[str, str]]:
+            save(timeline.show(window, title), plots_dir / "timeline_zoom.png", dpi=90)
+            return [("Timeline around the first burst", "plots/timeline_zoom.png")]
+
+        # the zoom in a child of its own, beside the whole view (the same figure drawn
+        # fresh or reused gives the same bytes); a failed child leaves it to this process
+        child = forked.start(zoom)
+    fig = timeline.show(None, f"Timeline, {which}: arrivals by route, queue depth and running "
+                              "batch per instance")  # fmt: skip
+    save(fig, plots_dir / "timeline.png", dpi=90, close=zoom is None)
+    written = [(f"Timeline ({which})", "plots/timeline.png")]
+    if zoom is not None:
+        drawn = child.result() if child is not None else None
+        if drawn is None:
+            written += zoom()
+        else:
+            plt.close(fig)
+            written += [(str(name), str(path)) for name, path in drawn]
     return written

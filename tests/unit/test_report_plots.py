@@ -159,6 +159,49 @@ def test_timelines_drawn_in_a_child_are_the_same_files(
     assert [path for _, path in beside[0]][:2] == ["plots/timeline.png", "plots/timeline_zoom.png"]
 
 
+def _timelines(out: Path) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
+    records, events = _run()
+    written = timeline_plot.write_timelines(png.pyplot(), out, records, events,
+                                            ["base", "warm"], [])  # fmt: skip
+    return written, {path: (out / Path(path).name).read_bytes() for _, path in written}
+
+
+def test_the_zoom_drawn_in_its_own_child_is_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zoom is drawn in a child beside the whole timeline, on a fresh copy of the
+    figure; a child that fails leaves it to the process that drew the whole view."""
+    (tmp_path / "alone").mkdir()
+    monkeypatch.setattr(forked, "fork_allowed", lambda: False)
+    alone = _timelines(tmp_path / "alone")
+    assert [path for _, path in alone[0]] == ["plots/timeline.png", "plots/timeline_zoom.png"]
+    children: list[object] = []
+    start = forked.start
+
+    def counted(work: object) -> object:
+        child = start(work)  # type: ignore[arg-type]
+        children.append(child)
+        return child
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    monkeypatch.setattr(forked, "start", counted)
+    (tmp_path / "beside").mkdir()
+    assert _timelines(tmp_path / "beside") == alone
+    assert len(children) == 1
+    assert isinstance(children[0], forked.Forked)
+    parent = os.getpid()
+    save = timeline_plot.save
+
+    def fails_in_the_child(fig: object, path: Path, *args: object, **kwargs: object) -> None:
+        if os.getpid() != parent:
+            raise RuntimeError("the child's drawing failed")
+        save(fig, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(timeline_plot, "save", fails_in_the_child)
+    (tmp_path / "after").mkdir()
+    assert _timelines(tmp_path / "after") == alone
+
+
 def test_a_failed_child_leaves_the_timelines_to_the_parent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
