@@ -10,6 +10,12 @@ from btb_lab.errors import UserError
 
 __all__ = ["register"]
 
+JOBS_HELP = (
+    "Points run in parallel processes (local executor). 0: one per core, as many as memory "
+    "allows (the first point runs alone; its process's peak memory sets how many run at "
+    "once after it); 1: one after another."
+)
+
 
 def register(app: typer.Typer) -> None:
     """Add the sweep command to the main app."""
@@ -17,9 +23,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def sweep(
         file: Path = typer.Argument(..., help="Sweep file (see experiments/)."),
-        jobs: int = typer.Option(
-            1, "--jobs", "-j", help="Points run in parallel processes (local executor)."
-        ),
+        jobs: int = typer.Option(0, "--jobs", "-j", help=JOBS_HELP),
         executor: str | None = typer.Option(
             None,
             "--executor",
@@ -74,7 +78,7 @@ def register(app: typer.Typer) -> None:
         profile: str = typer.Option(
             "infer-sim", "--from", help="Fidelity profile to start from (sim.profile)."
         ),
-        jobs: int = typer.Option(1, "--jobs", "-j", help="Points run in parallel processes."),
+        jobs: int = typer.Option(0, "--jobs", "-j", help=JOBS_HELP),
         executor: str | None = typer.Option(None, "--executor", help="local or ray."),
         out: Path | None = typer.Option(
             None, "--out", help="Output directory (default results/ablations/<name>/)."

@@ -254,10 +254,48 @@ def _pool_point(run_fn: RunPointFn, task: PointTask) -> None:
         raise
 
 
+def _measured_point(run_fn: RunPointFn, task: PointTask) -> int:
+    """`_pool_point`, then the pool worker's peak resident memory in bytes."""
+    _pool_point(run_fn, task)
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux's VmHWM; `ru_maxrss` elsewhere)."""
+    with contextlib.suppress(OSError), open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+    import sys
+
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+def auto_jobs(peak_bytes: int, available_bytes: int, cores: int) -> int:
+    """How many points `--jobs 0` runs at once after its first: one per core, as many as
+    fit in 70% of the memory available, each taking the first point's peak (a point's
+    process holds its workload: hundreds of MB for a research-sized trace)."""
+    fit = int(0.7 * available_bytes) // max(peak_bytes, 1)
+    return max(1, min(cores, fit))
+
+
 def _execute_local(
     tasks: Sequence[PointTask], run_fn: RunPointFn, jobs: int,
-    done: Callable[[PointTask, str | None], None],
+    done: Callable[[PointTask, str | None], None], say: Callable[[str], None],
 ) -> None:  # fmt: skip
+    if jobs == 0:  # one per core, as memory allows: the first point alone measures it
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        if cores > 1 and len(tasks) > 1:
+            peak = max(_run_pool(tasks[:1], run_fn, 1, done, measure=True), default=0)
+            import psutil
+
+            available = int(psutil.virtual_memory().available)
+            jobs = auto_jobs(peak, available, cores)
+            say(f"--jobs 0: the first point's process peaked at {peak / 2**20:,.0f} MiB, "
+                f"{available / 2**30:,.1f} GiB available: {jobs} at once")  # fmt: skip
+            tasks = tasks[1:]
     if jobs <= 1:
         for task in tasks:
             try:
@@ -269,12 +307,25 @@ def _execute_local(
             else:
                 done(task, None)
         return
+    _run_pool(tasks, run_fn, jobs, done)
+
+
+def _run_pool(
+    tasks: Sequence[PointTask], run_fn: RunPointFn, jobs: int,
+    done: Callable[[PointTask, str | None], None], *, measure: bool = False,
+) -> list[int]:  # fmt: skip
+    """`tasks` in a pool of `jobs` processes; with `measure`, each finished point's process
+    peak memory (bytes), returned."""
+    peaks: list[int] = []
     pool = cf.ProcessPoolExecutor(max_workers=jobs)
-    futures: dict[cf.Future[None], PointTask] = {}
+    futures: dict[cf.Future[Any], PointTask] = {}
+    point = _measured_point if measure else _pool_point
     try:
-        futures = {pool.submit(_pool_point, run_fn, task): task for task in tasks}
+        futures = {pool.submit(point, run_fn, task): task for task in tasks}
         for fut in cf.as_completed(futures):
             err = fut.exception()
+            if err is None and measure:
+                peaks.append(int(fut.result()))
             done(futures[fut], None if err is None else _describe(err))
     except KeyboardInterrupt as exc:
         for fut in futures:
@@ -289,6 +340,7 @@ def _execute_local(
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    return peaks
 
 
 def _execute_ray(
@@ -375,8 +427,8 @@ def run_sweep(
     a fake). `validate` loads the base hypothesis with every point's overrides first.
     """
     loaded = load_sweep(Path(path))
-    if jobs < 1:
-        raise UserError("--jobs must be at least 1")
+    if jobs < 0:
+        raise UserError(f"--jobs must be 0 (one per core, as memory allows) or more (got {jobs})")
     chosen: Executor = executor or loaded.spec.executor
     sweep_dir = Path(out) if out is not None else default_sweep_dir(loaded)
     tasks = plan_tasks(loaded, sweep_dir, seed=seed)
@@ -411,7 +463,8 @@ def run_sweep(
             todo.append(task)
     say(
         f"sweep {loaded.spec.name}: {len(tasks)} points, {len(outcome.skipped)} already "
-        f"finished, {len(todo)} to run ({chosen}, jobs={jobs if chosen == 'local' else 'ray'})"
+        f"finished, {len(todo)} to run ({chosen}, "
+        f"jobs={(jobs or 'auto') if chosen == 'local' else 'ray'})"
     )
 
     finished = 0
@@ -440,7 +493,7 @@ def run_sweep(
         if todo and chosen == "ray":
             _execute_ray(todo, run_fn, done)
         elif todo:
-            _execute_local(todo, run_fn, jobs, done)
+            _execute_local(todo, run_fn, jobs, done, say)
     finally:
         _workloads.clear()  # points run in this process (`--jobs 1`) loaded it here
 

@@ -195,7 +195,8 @@ def test_a_stopped_sweep_keeps_finished_points_and_resumes(
     dry = cli("sweep", tmp_path / "s.yaml", "--dry-run")
     second = dry.out.split("\n")[2].split(":")[0].strip()  # the second point's id
     code, output, _ = stop_at(f"point:{second}", sig, "sweep", tmp_path / "s.yaml",
-                              "--out", tmp_path / "sw", tmp_path=tmp_path)  # fmt: skip
+                              "--out", tmp_path / "sw", "--jobs", "1",
+                              tmp_path=tmp_path)  # fmt: skip
     assert code == EXIT[sig], output
     first, stopped, third = sweep_points(tmp_path / "sw")
     assert manifest(first)["complete"] is True

@@ -283,6 +283,50 @@ def test_process_pool_gives_the_same_table_as_serial(tmp_path: Path) -> None:
     assert len(calls(tmp_path / "pool")) == 6
 
 
+def test_jobs_0_runs_the_first_point_alone_then_as_many_as_memory_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--jobs 0` (the CLI's default): the first point's process alone, its peak memory
+    measured, then the rest in a pool as wide as the cores and the memory allow; the
+    same table as one after another."""
+    from btb_lab.sweep import engine
+
+    if not hasattr(engine.os, "sched_getaffinity"):
+        pytest.skip("needs os.sched_getaffinity")
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    widths: list[int] = []
+    run_pool = engine._run_pool
+
+    def counted(tasks: object, run_fn: object, jobs: int, *args: object, **kw: object) -> object:
+        widths.append(jobs)
+        return run_pool(tasks, run_fn, jobs, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_run_pool", counted)
+    said: list[str] = []
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    run_sweep(path, out=tmp_path / "serial", run_fn=fake_run, validate=False)
+    run_sweep(path, out=tmp_path / "auto", run_fn=fake_run, validate=False, jobs=0,
+              echo=said.append)  # fmt: skip
+    assert (tmp_path / "serial" / "table.csv").read_bytes() == (
+        tmp_path / "auto" / "table.csv"
+    ).read_bytes()
+    assert len(calls(tmp_path / "auto")) == 6
+    assert widths[0] == 1  # the first point alone
+    assert len(widths) == 2
+    assert 1 <= widths[1] <= 4
+    assert any(line.startswith("--jobs 0: the first point's process peaked at") for line in said)
+
+
+def test_auto_jobs_is_bounded_by_cores_and_memory() -> None:
+    from btb_lab.sweep.engine import auto_jobs
+
+    gib = 2**30
+    assert auto_jobs(gib // 2, 64 * gib, 8) == 8  # memory to spare: one per core
+    assert auto_jobs(4 * gib, 16 * gib, 8) == 2  # 70% of 16 GiB holds two 4 GiB points
+    assert auto_jobs(32 * gib, 16 * gib, 8) == 1  # never below one
+    assert auto_jobs(0, 16 * gib, 8) == 8  # nothing measured (the first point failed)
+
+
 def test_a_pool_worker_starts_no_point_after_one_of_its_points_was_stopped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
