@@ -137,11 +137,9 @@ def _render_all(out: Path) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
     return written, {path: (out / Path(path).name).read_bytes() for _, path in written}
 
 
-def test_timelines_drawn_in_a_child_are_the_same_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(forked, "fork_allowed", lambda: False)
-    alone = _render_all(tmp_path / "alone")
+def _counting_children(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Forks allowed from here on; the list gets each child `forked.start` makes in this
+    process."""
     children: list[object] = []
     start = forked.start
 
@@ -152,6 +150,15 @@ def test_timelines_drawn_in_a_child_are_the_same_files(
 
     monkeypatch.setattr(forked, "fork_allowed", lambda: True)
     monkeypatch.setattr(forked, "start", counted)
+    return children
+
+
+def test_timelines_drawn_in_a_child_are_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forked, "fork_allowed", lambda: False)
+    alone = _render_all(tmp_path / "alone")
+    children = _counting_children(monkeypatch)
     beside = _render_all(tmp_path / "beside")
     assert len(children) == 1
     assert isinstance(children[0], forked.Forked)
@@ -175,16 +182,7 @@ def test_the_zoom_drawn_in_its_own_child_is_the_same_file(
     monkeypatch.setattr(forked, "fork_allowed", lambda: False)
     alone = _timelines(tmp_path / "alone")
     assert [path for _, path in alone[0]] == ["plots/timeline.png", "plots/timeline_zoom.png"]
-    children: list[object] = []
-    start = forked.start
-
-    def counted(work: object) -> object:
-        child = start(work)  # type: ignore[arg-type]
-        children.append(child)
-        return child
-
-    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
-    monkeypatch.setattr(forked, "start", counted)
+    children = _counting_children(monkeypatch)
     (tmp_path / "beside").mkdir()
     assert _timelines(tmp_path / "beside") == alone
     assert len(children) == 1
