@@ -558,11 +558,12 @@ def build_report(run_dir: Path) -> AnalyzedRun:
     # a run's child, matplotlib imported while the run simulated, draws them (`forked`)
     worker = forked.take_warm()
     try:
-        sent = worker is not None and worker.send(write_plots, *args, **kwargs)
+        if worker is not None:
+            worker.send(write_plots, *args, **kwargs)
         run = analyze_stored(stored)
         run.summary.save(run_dir)
         context = entry_context(run, timeline)
-        drawn = worker.result() if worker is not None and sent else None
+        drawn = worker.result() if worker is not None else None
     finally:
         if worker is not None:
             worker.close()

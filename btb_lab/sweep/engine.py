@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from btb_lab import workers
 from btb_lab.errors import UserError
 from btb_lab.interrupts import Terminated
 from btb_lab.sweep.plan import PointTask, SweepPoint, expand_points, overrides_digest
@@ -286,7 +287,7 @@ def _execute_local(
     done: Callable[[PointTask, str | None], None], say: Callable[[str], None],
 ) -> None:  # fmt: skip
     if jobs == 0:  # one per core, as memory allows: the first point alone measures it
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        cores = workers.cores()
         if cores > 1 and len(tasks) > 1:
             peak = max(_run_pool(tasks[:1], run_fn, 1, done, measure=True), default=0)
             import psutil

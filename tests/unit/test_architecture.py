@@ -62,7 +62,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "sweep": {
         "config", "workload", "model", "policies", "hypothesis", "backends", "results",
-        "analysis", "report", "runner",
+        "analysis", "report", "runner", "workers",
     },
     "cli": {
         "config", "workload", "model", "policies", "hypothesis", "backends", "results",
