@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +27,7 @@ __all__ = [
     "CHUNK_BYTES",
     "PARQUET_ROWS",
     "Fallback",
+    "ReadBatch",
     "block_id_tuples",
     "id_type",
     "optional_text",
@@ -38,9 +39,10 @@ __all__ = [
     "turns",
 ]
 
-CHUNK_BYTES = 1 << 25  # JSON read 32 MiB at a time, parsed in blocks of an eighth of that
+CHUNK_BYTES = 1 << 22  # JSON read 4 MiB at a time (the next chunk parsed while one is used)
 PARQUET_ROWS = 16_384  # rows a parquet batch reads
 _BOM = b"\xef\xbb\xbf"
+_T = TypeVar("_T")
 
 
 class Fallback(Exception):
@@ -122,7 +124,16 @@ def schema(fields: dict[str, str], ids: pa.DataType) -> pa.Schema:
     )
 
 
-def read_batches(path: Path, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, bool]]:
+class ReadBatch(NamedTuple):
+    """A record batch, whether a null `metadata.turn` in it may be a written null, and its
+    `hash_ids` values dictionary-encoded (None where some row has no list)."""
+
+    batch: pa.RecordBatch
+    null_turn_written: bool
+    ids: pa.DictionaryArray | None
+
+
+def read_batches(path: Path, schema: pa.Schema) -> Iterator[ReadBatch]:
     """Record batches of `schema`'s columns (absent ones all null), in file order, each
     with whether a null `metadata.turn` under present metadata in it may be a written
     null (`{"turn": null}`, which the row loader rejects) rather than no turn at all.
@@ -131,12 +142,19 @@ def read_batches(path: Path, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch
     parallel); every line holds exactly one row, so row k is line k + 1, and the only
     control byte is the newline (`json.loads` rejects raw control characters in strings,
     `\\r` would split lines differently); no byte-order mark. Parquet: columns are
-    widened to `schema` only where that cannot change a value.
+    widened to `schema` only where that cannot change a value. A JSONL file's next chunk
+    is parsed on a thread while the caller builds requests from this one's batches.
     """
-    if path.suffix == ".parquet":
+    if path.suffix == ".parquet":  # decoding is a small part of a parquet load: in turn
         for batch in _parquet_batches(path, schema):
-            yield batch, True
+            yield _encoded(batch, True)
         return
+    for batches in _ahead(_json_chunks(path, schema)):
+        yield from batches
+
+
+def _json_chunks(path: Path, schema: pa.Schema) -> Iterator[list[ReadBatch]]:
+    """Each chunk's record batches (the work a thread does ahead of the caller)."""
     import pyarrow.json as pj
 
     read_options = pj.ReadOptions(block_size=max(1 << 20, CHUNK_BYTES // 8), use_threads=True)
@@ -156,8 +174,29 @@ def read_batches(path: Path, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch
         if table.num_rows != newlines + (not chunk.endswith(b"\n")):
             raise Fallback("blank lines or several objects on one line")
         null_turn = _turnless_metadata(table) and _NULL_TURN.search(chunk) is not None
-        for batch in table.to_batches():
-            yield batch, null_turn
+        yield [_encoded(batch, null_turn) for batch in table.to_batches()]
+
+
+def _encoded(batch: pa.RecordBatch, null_turn_written: bool) -> ReadBatch:
+    lists = batch.column("hash_ids")
+    ids = None if lists.null_count else pc.dictionary_encode(lists.flatten())
+    return ReadBatch(batch, null_turn_written, ids)
+
+
+_DONE: Any = object()
+
+
+def _ahead(items: Iterator[_T]) -> Iterator[_T]:
+    """`items`, the next one made on a thread while the caller uses this one (pyarrow's
+    parse and encoding let go of the interpreter, and the caller's per-row Python work is
+    most of a load). The thread ends with the generator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="btb-lab-read") as pool:
+        future = pool.submit(next, items, _DONE)
+        while (item := future.result()) is not _DONE:
+            future = pool.submit(next, items, _DONE)
+            yield item
 
 
 def _turnless_metadata(table: pa.Table) -> bool:
@@ -284,10 +323,9 @@ def job_kinds(batch: pa.RecordBatch, name: str = "metadata") -> list[str | None]
 
 
 def block_id_tuples(
-    batch: pa.RecordBatch,
+    read: ReadBatch,
     input_tokens: list[int],
     block_tokens: int,
-    name: str = "hash_ids",
     interned: dict[int, int] | None = None,
 ) -> list[tuple[int, ...]]:
     """Each row's block ids as a tuple. Each distinct id of the batch is converted once
@@ -295,19 +333,21 @@ def block_id_tuples(
     occurrences share: in the batch, and with `interned` (one dict for the whole file)
     in every batch, so the simulator's caches match a burst's shared prefix by identity
     instead of hashing and comparing each block."""
-    lists = batch.column(name)
+    name = "hash_ids"
+    lists = read.batch.column(name)
     _no_nulls(lists, name)
     offsets = lists.offsets.to_numpy()
     counts = np.diff(offsets)
     limits = -(-np.asarray(input_tokens, dtype=np.int64) // block_tokens)
     if bool(np.any(counts > limits)):
         raise Fallback(f"{name}: more ids than the prompt has blocks in some row")
-    values = lists.flatten()
-    if values.null_count:
+    encoded = read.ids
+    assert encoded is not None  # every row has a list
+    if encoded.null_count:
         raise Fallback(f"{name}: a null id in some row")
-    encoded = pc.dictionary_encode(values)
     distinct = encoded.dictionary.to_pylist()
-    converted = stable_hashes63(distinct) if pa.types.is_string(values.type) else distinct
+    texts = pa.types.is_string(encoded.dictionary.type)
+    converted = stable_hashes63(distinct) if texts else distinct
     if interned is not None:
         converted = _interned(interned, converted)
     indices = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)

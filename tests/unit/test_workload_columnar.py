@@ -4,6 +4,7 @@ skipped rows: it takes well-formed files and hands everything else to the row lo
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,35 @@ def test_generated_windows_load_alike_in_one_or_many_batches(
         if chunk_bytes > 4096:  # one batch: one int object per distinct id
             objects = {id(h) for r in requests for h in r.block_hashes}
             assert len(objects) == len({h for r in requests for h in r.block_hashes})
+
+
+@pytest.mark.parametrize("tail", ["", "not json\n"])
+def test_the_reading_thread_ends_with_the_load(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tail: str
+) -> None:
+    """The next chunk is parsed on a thread; a load leaves none behind, whole or given
+    up for the row loader after some chunks (workers and the report fork only from a
+    process with one thread), and the requests are those of one chunk at a time."""
+    monkeypatch.setattr(columnar, "CHUNK_BYTES", 4096)
+    path = _seed_bursty_file(tmp_path)
+    text = path.read_text()
+    assert len(text) > 10 * 4096  # many chunks
+    path.write_text(text + tail)
+    threads: list[int] = []
+    real = columnar._json_chunks
+
+    def counting(*args: Any) -> Any:
+        for batches in real(*args):
+            threads.append(threading.active_count())
+            yield batches
+
+    monkeypatch.setattr(columnar, "_json_chunks", counting)
+    before = threading.active_count()
+    default, rows, took_fast = both(monkeypatch, path, "bursted-art", 256, skip_bad_rows=True)
+    assert max(threads) == before + 1  # the parse ran on a thread of its own
+    assert threading.active_count() == before
+    assert took_fast == (not tail)
+    assert default == rows
 
 
 def test_mooncake_line_numbers_run_on_across_batches(
