@@ -171,12 +171,17 @@ static PyObject *interned(PyObject *self, PyObject *args) {
     return out;
 }
 
-static int int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
+/* An int array's buffer: 8-byte items, or 4-byte ones where `narrow_ok` (Arrow's
+ * dictionary indices are int32; widening them would copy 8 bytes per block occurrence). */
+static int int_buffer(PyObject *obj, Py_buffer *view, const char *name, int narrow_ok) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     const char *f = view->format ? view->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "rows_of_ids: %s must be a contiguous int64 array", name);
+    int wide = view->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+    int narrow = narrow_ok && view->itemsize == 4 && strcmp(f, "i") == 0;
+    if (!wide && !narrow) {
+        PyErr_Format(PyExc_TypeError, "rows_of_ids: %s must be a contiguous %s array", name,
+                     narrow_ok ? "int32 or int64" : "int64");
         PyBuffer_Release(view);
         return -1;
     }
@@ -186,20 +191,24 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
 /* rows_of_ids(ids, indices, bounds) -> list[tuple]: row r is the tuple of ids[indices[k]]
  * for k in bounds[r]..bounds[r+1]: a batch's rows of block ids, every occurrence of an id
  * the one object in `ids`, without a flat tuple, a slice per row and a numpy object array
- * in between. `indices` and `bounds` are int64 arrays; both are checked. */
+ * in between. `indices` is an int32 or int64 array, `bounds` an int64 one; both are
+ * checked. */
 static PyObject *rows_of_ids(PyObject *self, PyObject *args) {
     PyObject *ids, *indices_obj, *bounds_obj;
     if (!PyArg_ParseTuple(args, "O!OO:rows_of_ids", &PyList_Type, &ids, &indices_obj,
                           &bounds_obj))
         return NULL;
     Py_buffer iv, bv;
-    if (int64_buffer(indices_obj, &iv, "indices") < 0) return NULL;
-    if (int64_buffer(bounds_obj, &bv, "bounds") < 0) {
+    if (int_buffer(indices_obj, &iv, "indices", 1) < 0) return NULL;
+    if (int_buffer(bounds_obj, &bv, "bounds", 0) < 0) {
         PyBuffer_Release(&iv);
         return NULL;
     }
-    const int64_t *index = (const int64_t *)iv.buf, *bound = (const int64_t *)bv.buf;
-    Py_ssize_t n_ids = PyList_GET_SIZE(ids), n_index = iv.len / 8, n_bounds = bv.len / 8;
+    const int64_t *wide = iv.itemsize == 8 ? (const int64_t *)iv.buf : NULL;
+    const int32_t *narrow = (const int32_t *)iv.buf;
+#define INDEX(k) (wide ? wide[k] : (int64_t)narrow[k])
+    const int64_t *bound = (const int64_t *)bv.buf;
+    Py_ssize_t n_ids = PyList_GET_SIZE(ids), n_index = iv.len / iv.itemsize, n_bounds = bv.len / 8;
     Py_ssize_t rows = n_bounds > 0 ? n_bounds - 1 : 0;
     PyObject *out = NULL;
     for (Py_ssize_t r = 0; r < n_bounds; r++) {
@@ -209,7 +218,7 @@ static PyObject *rows_of_ids(PyObject *self, PyObject *args) {
         }
     }
     for (Py_ssize_t k = 0; k < n_index; k++) {
-        if (index[k] < 0 || index[k] >= n_ids) {
+        if (INDEX(k) < 0 || INDEX(k) >= n_ids) {
             PyErr_SetString(PyExc_ValueError, "rows_of_ids: an index out of range");
             goto done;
         }
@@ -224,12 +233,13 @@ static PyObject *rows_of_ids(PyObject *self, PyObject *args) {
             goto done;
         }
         for (Py_ssize_t k = 0; k < size; k++) {
-            PyObject *id = PyList_GET_ITEM(ids, (Py_ssize_t)index[start + k]);
+            PyObject *id = PyList_GET_ITEM(ids, (Py_ssize_t)INDEX(start + k));
             Py_INCREF(id);
             PyTuple_SET_ITEM(row, k, id);
         }
         PyList_SET_ITEM(out, r, row);
     }
+#undef INDEX
 done:
     PyBuffer_Release(&iv);
     PyBuffer_Release(&bv);
@@ -242,7 +252,7 @@ static PyMethodDef methods[] = {
     {"interned", interned, METH_VARARGS,
      "interned(table, values) -> list: table.setdefault(v, v) for each value."},
     {"rows_of_ids", rows_of_ids, METH_VARARGS,
-     "rows_of_ids(ids, indices, bounds) -> list[tuple]: each row's ids by index (int64 arrays)."},
+     "rows_of_ids(ids, indices, bounds) -> list[tuple]: each row's ids by index (int32/int64 arrays)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +27,6 @@ __all__ = [
     "CHUNK_BYTES",
     "PARQUET_ROWS",
     "Fallback",
-    "ReadBatch",
     "block_id_tuples",
     "id_type",
     "optional_text",
@@ -39,7 +38,7 @@ __all__ = [
     "turns",
 ]
 
-CHUNK_BYTES = 1 << 22  # JSON read 4 MiB at a time (the next chunk parsed while one is used)
+CHUNK_BYTES = 1 << 22  # JSON read 4 MiB at a time, the next chunk parsed on a thread
 PARQUET_ROWS = 16_384  # rows a parquet batch reads
 _BOM = b"\xef\xbb\xbf"
 _T = TypeVar("_T")
@@ -124,16 +123,7 @@ def schema(fields: dict[str, str], ids: pa.DataType) -> pa.Schema:
     )
 
 
-class ReadBatch(NamedTuple):
-    """A record batch, whether a null `metadata.turn` in it may be a written null, and its
-    `hash_ids` values dictionary-encoded (None where some row has no list)."""
-
-    batch: pa.RecordBatch
-    null_turn_written: bool
-    ids: pa.DictionaryArray | None
-
-
-def read_batches(path: Path, schema: pa.Schema) -> Iterator[ReadBatch]:
+def read_batches(path: Path, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, bool]]:
     """Record batches of `schema`'s columns (absent ones all null), in file order, each
     with whether a null `metadata.turn` under present metadata in it may be a written
     null (`{"turn": null}`, which the row loader rejects) rather than no turn at all.
@@ -147,17 +137,18 @@ def read_batches(path: Path, schema: pa.Schema) -> Iterator[ReadBatch]:
     """
     if path.suffix == ".parquet":  # decoding is a small part of a parquet load: in turn
         for batch in _parquet_batches(path, schema):
-            yield _encoded(batch, True)
+            yield batch, True
         return
-    for batches in _ahead(_json_chunks(path, schema)):
-        yield from batches
+    for batches, null_turn in _ahead(_json_chunks(path, schema)):
+        for batch in batches:
+            yield batch, null_turn
 
 
-def _json_chunks(path: Path, schema: pa.Schema) -> Iterator[list[ReadBatch]]:
+def _json_chunks(path: Path, schema: pa.Schema) -> Iterator[tuple[list[pa.RecordBatch], bool]]:
     """Each chunk's record batches (the work a thread does ahead of the caller)."""
     import pyarrow.json as pj
 
-    read_options = pj.ReadOptions(block_size=max(1 << 20, CHUNK_BYTES // 8), use_threads=True)
+    read_options = pj.ReadOptions(block_size=max(1 << 20, CHUNK_BYTES // 2), use_threads=True)
     parse_options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     for index, chunk in enumerate(_line_chunks(path)):
         if index == 0 and chunk.startswith(_BOM):
@@ -174,13 +165,7 @@ def _json_chunks(path: Path, schema: pa.Schema) -> Iterator[list[ReadBatch]]:
         if table.num_rows != newlines + (not chunk.endswith(b"\n")):
             raise Fallback("blank lines or several objects on one line")
         null_turn = _turnless_metadata(table) and _NULL_TURN.search(chunk) is not None
-        yield [_encoded(batch, null_turn) for batch in table.to_batches()]
-
-
-def _encoded(batch: pa.RecordBatch, null_turn_written: bool) -> ReadBatch:
-    lists = batch.column("hash_ids")
-    ids = None if lists.null_count else pc.dictionary_encode(lists.flatten())
-    return ReadBatch(batch, null_turn_written, ids)
+        yield table.to_batches(), null_turn
 
 
 _DONE: Any = object()
@@ -188,7 +173,7 @@ _DONE: Any = object()
 
 def _ahead(items: Iterator[_T]) -> Iterator[_T]:
     """`items`, the next one made on a thread while the caller uses this one (pyarrow's
-    parse and encoding let go of the interpreter, and the caller's per-row Python work is
+    parse lets go of the interpreter, and the caller's per-row Python work is
     most of a load). The thread ends with the generator."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -323,9 +308,10 @@ def job_kinds(batch: pa.RecordBatch, name: str = "metadata") -> list[str | None]
 
 
 def block_id_tuples(
-    read: ReadBatch,
+    batch: pa.RecordBatch,
     input_tokens: list[int],
     block_tokens: int,
+    name: str = "hash_ids",
     interned: dict[int, int] | None = None,
 ) -> list[tuple[int, ...]]:
     """Each row's block ids as a tuple. Each distinct id of the batch is converted once
@@ -333,24 +319,22 @@ def block_id_tuples(
     occurrences share: in the batch, and with `interned` (one dict for the whole file)
     in every batch, so the simulator's caches match a burst's shared prefix by identity
     instead of hashing and comparing each block."""
-    name = "hash_ids"
-    lists = read.batch.column(name)
+    lists = batch.column(name)
     _no_nulls(lists, name)
     offsets = lists.offsets.to_numpy()
     counts = np.diff(offsets)
     limits = -(-np.asarray(input_tokens, dtype=np.int64) // block_tokens)
     if bool(np.any(counts > limits)):
         raise Fallback(f"{name}: more ids than the prompt has blocks in some row")
-    encoded = read.ids
-    assert encoded is not None  # every row has a list
-    if encoded.null_count:
+    values = lists.flatten()
+    if values.null_count:
         raise Fallback(f"{name}: a null id in some row")
+    encoded = pc.dictionary_encode(values)
     distinct = encoded.dictionary.to_pylist()
-    texts = pa.types.is_string(encoded.dictionary.type)
-    converted = stable_hashes63(distinct) if texts else distinct
+    converted = stable_hashes63(distinct) if pa.types.is_string(values.type) else distinct
     if interned is not None:
         converted = _interned(interned, converted)
-    indices = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    indices = encoded.indices.to_numpy(zero_copy_only=False)  # int32: the loops take it
     return _rows_of_ids(converted, indices, (offsets - offsets[0]).astype(np.int64, copy=False))
 
 

@@ -289,12 +289,11 @@ def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]
     out: list[Request] = []
     last_ms = -math.inf
     interned: dict[int, int] = {}  # block id -> its one object in the file
-    for read in col.read_batches(path, schema):
-        batch = read.batch
+    for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(read, inputs, block_tokens, interned=interned)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         line_no = len(out)
@@ -406,8 +405,7 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
     session_turns = _SessionTurns()
     out: list[Request] = []
     interned: dict[int, int] = {}  # block id -> its one object in the file
-    for read in col.read_batches(path, schema):
-        batch = read.batch
+    for batch, null_turn_written in col.read_batches(path, schema):
         arrivals = col.required_times(batch, "arrival_s")
         trace_ids = col.required_text(batch, "trace_id")
         sources = col.required_text(batch, "source")
@@ -416,10 +414,10 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
         request_ids = col.required_text(batch, "request_id")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(read, inputs, block_tokens, interned=interned)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
         sessions = col.optional_text(batch, "session_id")
         groups = col.optional_text(batch, "group_id")
-        turns, has_turn = col.turns(batch, read.null_turn_written)
+        turns, has_turn = col.turns(batch, null_turn_written)
         kinds = col.job_kinds(batch)
         rows = zip(
             arrivals, trace_ids, sources, request_ids, inputs, outputs, hashes, sessions,
@@ -507,14 +505,13 @@ def _columnar_art_chat(col: Any, path: Path, block_tokens: int) -> list[Request]
     out: list[Request] = []
     last_ms = -math.inf
     interned: dict[int, int] = {}  # block id -> its one object in the file
-    for read in col.read_batches(path, schema):
-        batch = read.batch
+    for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp_ms")
         request_ids = col.required_text(batch, "request_id")
         prompts = col.optional_text(batch, "system_prompt_hash")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(read, inputs, block_tokens, interned=interned)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         before = len(seen_ids)

@@ -399,7 +399,11 @@ def test_the_id_loops_check_their_arrays(loops: str) -> None:
     interned = _hashc.interned if loops == "compiled" else columnar.python_interned
     ids = [7, 8, 9]
     index = np.array([2, 0, 0, 1], dtype=np.int64)
-    assert rows_of_ids(ids, index, np.array([0, 1, 1, 4], dtype=np.int64)) == [(9,), (), (7, 7, 8)]
+    for width in (np.int64, np.int32):  # Arrow's dictionary indices are int32
+        rows = rows_of_ids(ids, index.astype(width), np.array([0, 1, 1, 4], dtype=np.int64))
+        assert rows == [(9,), (), (7, 7, 8)]
+    with pytest.raises(ValueError, match="out of range"):
+        rows_of_ids(ids, np.array([5], dtype=np.int32), np.array([0, 1], dtype=np.int64))
     assert rows_of_ids(ids, index[:0], np.array([0], dtype=np.int64)) == []
     with pytest.raises(ValueError, match="out of range"):
         rows_of_ids(ids, np.array([3], dtype=np.int64), np.array([0, 1], dtype=np.int64))
@@ -417,6 +421,8 @@ def test_the_id_loops_check_their_arrays(loops: str) -> None:
         with pytest.raises(ValueError, match="bounds"):
             rows_of_ids(ids, index, np.array([0, 5], dtype=np.int64))
         with pytest.raises(TypeError, match="int64"):
-            rows_of_ids(ids, index.astype(np.int32), np.array([0, 1], dtype=np.int64))
+            rows_of_ids(ids, index.astype(np.int16), np.array([0, 1], dtype=np.int64))
+        with pytest.raises(TypeError, match="int64"):
+            rows_of_ids(ids, index, np.array([0, 1], dtype=np.int32))
         with pytest.raises(TypeError):
             interned([], [1])
