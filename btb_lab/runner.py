@@ -53,6 +53,7 @@ from btb_lab.results import (
     JsonlRecordSink,
     Manifest,
     RunEntry,
+    StoredFrames,
     check_out,
     finalize_parquet,
     new_run_dir,
@@ -398,6 +399,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     run_dir = new_run_dir(options.results_root, hyp.id, out=options.out, run_id=new_run_id())
     interrupted: KeyboardInterrupt | None = None
     failure: Exception | None = None
+    frames: StoredFrames | None = None
     # One `try` from the first manifest on: a stop that lands while the directory is set
     # up (a sweep worker meets SIGTERM as its point starts) still marks it interrupted.
     try:
@@ -435,7 +437,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
             close()
         opened = (run_dir / MANIFEST).exists()
         if opened:
-            failure, interrupted = _finish(run_dir, manifest, plan, interrupted, failure)
+            failure, interrupted, frames = _finish(run_dir, manifest, plan, interrupted, failure)
         else:  # stopped, or refused by the disk, before the first manifest: nothing to keep
             (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
             _remove_if_empty(run_dir)
@@ -460,7 +462,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
             raise UserError(f"{failure}\n{run_dir}: the run is recorded as failed") from None
         raise failure
     try:
-        run = build_report(run_dir)
+        run = build_report(run_dir, frames)
     except OSError as exc:
         raise OutputError(describe_os_error(exc, run_dir)) from None
     if interrupted is not None:
@@ -514,15 +516,17 @@ def _finish(
     plan: RunPlan,
     interrupted: KeyboardInterrupt | None,
     failure: Exception | None,
-) -> tuple[Exception | None, KeyboardInterrupt | None]:
+) -> tuple[Exception | None, KeyboardInterrupt | None, StoredFrames | None]:
     """Records first, then the manifest that says whether they are complete. Returns the
-    failure to report (the run's own, or the first write that failed here) and the
-    interrupt (the run's own, or one that arrived while converting the records)."""
+    failure to report (the run's own, or the first write that failed here), the
+    interrupt (the run's own, or one that arrived while converting the records) and the
+    frames written (for the report, which need not read them back)."""
     (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
     if failure is not None:
         _record_failure(run_dir, manifest, failure)
+    frames = None
     try:
-        finalize_parquet(run_dir, plan.variants)
+        frames = finalize_parquet(run_dir, plan.variants)
     except KeyboardInterrupt as exc:  # the parts hold every record; readers use them
         interrupted = interrupted or exc
     except OSError as exc:  # readers fall back to the parts
@@ -548,7 +552,7 @@ def _finish(
             failure = failure or err
     except OSError as exc:  # the last saved manifest stays (it says "running")
         failure = failure or exc
-    return failure, interrupted
+    return failure, interrupted, frames
 
 
 ERROR_FILE = "error-{variant}-r{repeat}.txt"

@@ -6,7 +6,7 @@ always be rebuilt, and the same stored run always gives the same summary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.errors import UserError
 from btb_lab.records import derive_timings
-from btb_lab.results import Manifest, read_events, read_records, read_utilization
+from btb_lab.results import Manifest, StoredFrames, read_events, read_records, read_utilization
 
 __all__ = [
     "AnalyzedRun",
@@ -144,17 +144,23 @@ class StoredRun:
     events: pd.DataFrame
 
 
-def read_stored_run(run_dir: Path) -> StoredRun:
-    """The stored run's manifest, hypothesis, records, utilization and events."""
+def read_stored_run(run_dir: Path, frames: StoredFrames | None = None) -> StoredRun:
+    """The stored run's manifest, hypothesis, records, utilization and events (those of
+    `frames` that the run just wrote taken as they are, not read again)."""
     manifest = Manifest.load(run_dir)
     hypothesis = stored_hypothesis(manifest, run_dir)
     variants: list[str] = list(manifest.variants or hypothesis.variants)
-    all_records = classified(hypothesis, read_records(run_dir, variants))
+    given = frames or StoredFrames(None, None, None)
+
+    def stored(frame: pd.DataFrame | None, read: Callable[..., pd.DataFrame]) -> pd.DataFrame:
+        return frame if frame is not None else read(run_dir, variants)
+
+    all_records = classified(hypothesis, stored(given.requests, read_records))
     records, util, exclusion = apply_exclusion(
-        all_records, read_utilization(run_dir, variants), hypothesis.verdict.exclude
+        all_records, stored(given.utilization, read_utilization), hypothesis.verdict.exclude
     )
     return StoredRun(run_dir, manifest, hypothesis, variants, records, util, exclusion,
-                     all_records, read_events(run_dir, variants))  # fmt: skip
+                     all_records, stored(given.events, read_events))  # fmt: skip
 
 
 def analyze_run(run_dir: Path) -> AnalyzedRun:

@@ -20,7 +20,7 @@ from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, rea
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.report import forked
-from btb_lab.results import RunEntry, write_atomic
+from btb_lab.results import RunEntry, StoredFrames, write_atomic
 
 __all__ = [
     "build_report",
@@ -543,13 +543,14 @@ def _excluded_spans(run: StoredRun | AnalyzedRun) -> list[tuple[float, float]]:
     return [(start, window[0]), (window[1], end)]
 
 
-def build_report(run_dir: Path) -> AnalyzedRun:
+def build_report(run_dir: Path, frames: StoredFrames | None = None) -> AnalyzedRun:
     """Analyze a stored run and (re)write `summary.json`, `plots/` and `report.md`. The
     plots need no statistics: they go to the run's drawing child, when it has one, before
-    the analysis starts, and the two run side by side."""
+    the analysis starts, and the two run side by side. `frames`: what the run that just
+    stored itself wrote (`finalize_parquet`), taken instead of reading it back."""
     from btb_lab.report.plots import write_plots
 
-    stored = read_stored_run(run_dir)
+    stored = read_stored_run(run_dir, frames)
     timeline = first_repeat_events(stored)
     args = (run_dir / "plots", stored.records, stored.utilization, list(stored.variants),
             [r.name for r in stored.hypothesis.classes])  # fmt: skip

@@ -20,7 +20,7 @@ import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TextIO, TypeAlias
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, TextIO, TypeAlias
 
 import pandas as pd
 
@@ -43,6 +43,7 @@ __all__ = [
     "RECORD_SINKS",
     "ArrowRecordSink",
     "JsonlRecordSink",
+    "StoredFrames",
     "finalize_parquet",
     "new_run_dir",
     "new_run_id",
@@ -450,24 +451,44 @@ def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
         raise
 
 
-def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> None:
+class StoredFrames(NamedTuple):
+    """The frames `finalize_parquet` wrote, for a reader in the same process: what
+    `read_records`, `read_utilization` and `read_events` give back, without reading the
+    files again; None where reading back could give something else (`_round_trips`)."""
+
+    requests: pd.DataFrame | None
+    utilization: pd.DataFrame | None
+    events: pd.DataFrame | None
+
+
+def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> StoredFrames:
     """Convert the record, utilization and event parts into `requests.parquet`,
-    `utilization.parquet` and `events.parquet`."""
-    _write_parquet(
-        _typed_records(_read_parts(run_dir, "requests"), variant_order),
-        run_dir / "requests.parquet",
-    )
-    _write_parquet(
-        _typed_util(_read_parts(run_dir, "util"), variant_order), run_dir / "utilization.parquet"
-    )
-    _write_parquet(
-        _typed_events(_read_parts(run_dir, "events"), variant_order), run_dir / "events.parquet"
-    )
+    `utilization.parquet` and `events.parquet`; returns what was written."""
+    written = []
+    for kind, typed, name in (
+        ("requests", _typed_records, "requests.parquet"),
+        ("util", _typed_util, "utilization.parquet"),
+        ("events", _typed_events, "events.parquet"),
+    ):
+        frame = typed(_read_parts(run_dir, kind), variant_order)
+        _write_parquet(frame, run_dir / name)
+        written.append(frame if _round_trips(frame) else None)
     import pyarrow as pa
 
     # the conversion's buffers go back to the system, so that the analysis and plots that
     # follow start from the simulation's footprint instead of stacking on this one's
     pa.default_memory_pool().release_unused()
+    return StoredFrames(*written)
+
+
+def _round_trips(frame: pd.DataFrame) -> bool:
+    """Whether the frame's parquet file reads back as this frame: rows, and no Python
+    objects but None (`extra` holding dicts comes back as structs, every key in each)."""
+    if frame.empty:
+        return False
+    return all(
+        frame[name].dtype != object or bool(frame[name].isna().all()) for name in frame.columns
+    )
 
 
 def _read_parquet(path: Path) -> pd.DataFrame | None:

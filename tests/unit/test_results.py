@@ -17,6 +17,7 @@ from btb_lab.results import (
     finalize_parquet,
     new_run_dir,
     read_records,
+    read_utilization,
     resolve_run_dir,
     write_utilization_part,
 )
@@ -105,6 +106,34 @@ def test_arrow_and_jsonl_parts_store_the_same_parquet(tmp_path: Path) -> None:
         finalize_parquet(run_dir, ["b", "a"])
         stored.append((run_dir / "requests.parquet").read_bytes())
     assert stored[0] == stored[1]
+
+
+@pytest.mark.parametrize("sink_cls", SINKS)
+def test_the_frames_written_are_what_reading_back_gives(tmp_path: Path, sink_cls: Sink) -> None:
+    """The report of a run that just stored itself takes `finalize_parquet`'s frames
+    instead of reading the files again: they must be the frames the readers give, value
+    for value and type for type; a frame that might not be (none here: no rows) is None."""
+    import pandas as pd
+
+    odd = [rec(i) for i in range(5)]
+    odd[1].first_token_s = odd[1].finish_s = None
+    odd[1].ok, odd[1].error, odd[1].klass, odd[1].extra = False, "refused", None, {}
+    odd[2].queue_s = math.nan
+    odd[4].session_id, odd[4].turn, odd[4].extra = "s/é", 2, {"b": [1, 2], "a": None}
+    for variant in ("b", "a"):
+        sink = sink_cls(tmp_path, variant, 0)
+        sink.write(odd)
+        sink.close()
+    write_utilization_part(tmp_path, "a", 0, [UtilSample(0.0, "C0", "sim", 0.5)])
+    frames = finalize_parquet(tmp_path, ["b", "a"])
+    assert frames.events is None  # no events: the reader's empty frame is its own
+    for frame, read in ((frames.requests, read_records), (frames.utilization, read_utilization)):
+        assert frame is not None
+        again = read(tmp_path)
+        assert list(frame.dtypes) == list(again.dtypes)
+        pd.testing.assert_frame_equal(frame, again, check_exact=True)
+    assert frames.requests is not None
+    assert len(frames.requests) == 10
 
 
 def test_jsonl_and_arrow_parts_side_by_side_are_both_read(tmp_path: Path) -> None:
