@@ -22,12 +22,19 @@ _froze = False  # whether `freeze()` ran in them
 
 
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """No automatic collections inside; the collector's state before is put back after."""
+def paused(*, then_freeze: bool = False) -> Iterator[None]:
+    """No automatic collections inside; the collector's state before is put back after.
+
+    `then_freeze`: what is alive at the end is frozen (`freeze()`) before the collector
+    is back on. Frozen after, the first collection would already have scanned it: every
+    object made while paused waits in the youngest generation, and the first allocation
+    after `gc.enable()` collects that generation (0.2 s after loading 78,280 requests)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
+        if then_freeze:
+            freeze()
     finally:
         if was_enabled:
             gc.enable()

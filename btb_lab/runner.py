@@ -254,12 +254,12 @@ def _load_requests(
     loaded: LoadedHypothesis, seed: int, workloads: WorkloadCache | None = None
 ) -> list[Request]:
     """A repeat's requests; inside a run (`collector.frozen`) they, and what else lives
-    now, are left out of the cyclic collector's scans for the rest of the run."""
-    requests = load_requests(
-        loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed, cache=workloads
-    )
-    collector.freeze()
-    return requests
+    now, are left out of the cyclic collector's scans for the rest of the run (frozen
+    before the collector is back on, which would otherwise scan them once first)."""
+    with collector.paused(then_freeze=True):
+        return load_requests(
+            loaded.hypothesis.workload, base_dir=loaded.base_dir, seed=seed, cache=workloads
+        )
 
 
 def _versions() -> dict[str, str]:

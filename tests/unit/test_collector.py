@@ -115,3 +115,51 @@ def test_a_run_simulates_on_frozen_requests_and_thaws_them(
     assert all(count > 0 and not enabled for count, enabled in frozen_during)
     assert gc.get_freeze_count() == 0
     assert gc.isenabled()
+
+
+def test_a_pause_that_freezes_does_so_before_the_collector_is_back_on() -> None:
+    """Everything made while paused waits in the youngest generation; frozen only after
+    the collector is on, the first allocation would collect (scan) all of it once."""
+    seen: list[int] = []
+
+    def collections(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(collections)
+    try:
+        with collector.frozen():
+            with collector.paused(then_freeze=True):
+                made = [[i] for i in range(50_000)]
+            assert gc.isenabled()
+            assert gc.get_freeze_count() >= len(made)
+            assert gc.get_count()[0] < 700  # the young generation's count starts over
+            more = [[i] for i in range(600)]
+        assert not seen
+        with collector.paused(then_freeze=True):  # outside a scope: nothing frozen
+            pass
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.callbacks.remove(collections)
+    assert len(more) == 600
+
+
+def test_a_run_freezes_its_workload_before_any_collection_sees_it(tmp_path: Path) -> None:
+    young: list[int] = []  # the young generation's size at each collection's start
+
+    def collections(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            young.append(len(gc.get_objects(generation=0)))
+
+    path = write_small(tmp_path, **{"requests: 60": "requests: 3000"})
+    loaded = runner.plan_run(path, runner.RunOptions(progress=False)).loaded
+    gc.callbacks.append(collections)
+    try:
+        with collector.frozen():
+            requests = runner._load_requests(loaded, seed=0)
+            assert gc.get_freeze_count() >= len(requests) == 3000
+            _ = [[i] for i in range(5_000)]  # enough allocations to start a collection
+    finally:
+        gc.callbacks.remove(collections)
+    assert young  # a collection ran, and it did not scan the workload
+    assert max(young) < len(requests)
