@@ -46,6 +46,7 @@ from btb_lab.workload.loader import WorkloadCache, load_requests
 
 if TYPE_CHECKING:
     from btb_lab.analysis.models import Summary, Verdict
+    from btb_lab.report import forked
 from btb_lab.results import (
     MANIFEST,
     RECORD_SINKS,
@@ -400,6 +401,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     interrupted: KeyboardInterrupt | None = None
     failure: Exception | None = None
     frames: StoredFrames | None = None
+    drawing: forked.Warm | None = None
     # One `try` from the first manifest on: a stop that lands while the directory is set
     # up (a sweep worker meets SIGTERM as its point starts) still marks it interrupted.
     try:
@@ -426,6 +428,11 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
                         manifest.repeats = planned  # `repeats: auto` goes past its minimum
                         manifest.runs_planned = len(plan.variants) * planned
                         manifest.save(run_dir)
+            # every record is in the parts: the drawing child plots from them while this
+            # process converts them to parquet and analyses them
+            from btb_lab.report.render import draw_from_parts
+
+            drawing = draw_from_parts(run_dir, plan.variants)
     except KeyboardInterrupt as exc:
         interrupted = exc
     except Exception as exc:  # a later repeat's workload, a full disk, a bug: recorded
@@ -441,6 +448,9 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
         else:  # stopped, or refused by the disk, before the first manifest: nothing to keep
             (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
             _remove_if_empty(run_dir)
+        if drawing is not None and (failure is not None or interrupted is not None):
+            drawing.close()  # the report of a failed or stopped run draws what is there
+            drawing = None
     if not opened and failure is not None:
         raise failure
     if not opened and interrupted is not None:
@@ -462,7 +472,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
             raise UserError(f"{failure}\n{run_dir}: the run is recorded as failed") from None
         raise failure
     try:
-        run = build_report(run_dir, frames)
+        run = build_report(run_dir, frames, drawing)
     except OSError as exc:
         raise OutputError(describe_os_error(exc, run_dir)) from None
     if interrupted is not None:

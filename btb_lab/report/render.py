@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, rea
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.report import forked
-from btb_lab.results import RunEntry, StoredFrames, write_atomic
+from btb_lab.results import RunEntry, StoredFrames, stored_frames, write_atomic
 
 __all__ = [
     "build_report",
@@ -543,24 +544,47 @@ def _excluded_spans(run: StoredRun | AnalyzedRun) -> list[tuple[float, float]]:
     return [(start, window[0]), (window[1], end)]
 
 
-def build_report(run_dir: Path, frames: StoredFrames | None = None) -> AnalyzedRun:
-    """Analyze a stored run and (re)write `summary.json`, `plots/` and `report.md`. The
-    plots need no statistics: they go to the run's drawing child, when it has one, before
-    the analysis starts, and the two run side by side. `frames`: what the run that just
-    stored itself wrote (`finalize_parquet`), taken instead of reading it back."""
+def _plots(stored: StoredRun, timeline: pd.DataFrame) -> functools.partial[list[tuple[str, str]]]:
+    """`write_plots` for a stored run, ready to call (here, or pickled to a child)."""
     from btb_lab.report.plots import write_plots
 
+    return functools.partial(
+        write_plots, stored.run_dir / "plots", stored.records, stored.utilization,
+        list(stored.variants), [r.name for r in stored.hypothesis.classes],
+        all_records=stored.all_records, events=timeline, excluded=_excluded_spans(stored),
+    )  # fmt: skip
+
+
+def plots_from_parts(run_dir: Path, variant_order: list[str]) -> list[tuple[str, str]]:
+    """The plots `build_report` draws, from the record parts (`stored_frames`): in the
+    run's drawing child, while the run converts the same parts and analyses them."""
+    stored = read_stored_run(run_dir, stored_frames(run_dir, variant_order))
+    return _plots(stored, first_repeat_events(stored))()
+
+
+def draw_from_parts(run_dir: Path, variant_order: list[str]) -> forked.Warm | None:
+    """The run's drawing child, given the plots of the records all in the parts now
+    (`plots_from_parts`), for `build_report`; None when there is none."""
+    worker = forked.take_warm()
+    if worker is not None and not worker.send(plots_from_parts, run_dir, list(variant_order)):
+        return None
+    return worker
+
+
+def build_report(
+    run_dir: Path, frames: StoredFrames | None = None, drawing: forked.Warm | None = None
+) -> AnalyzedRun:
+    """Analyze a stored run and (re)write `summary.json`, `plots/` and `report.md`. The
+    plots need no statistics: the run's drawing child draws them beside the analysis
+    (`drawing`: already at it, `draw_from_parts`). `frames`: what the run that just
+    stored itself wrote (`finalize_parquet`), taken instead of reading it back."""
     stored = read_stored_run(run_dir, frames)
     timeline = first_repeat_events(stored)
-    args = (run_dir / "plots", stored.records, stored.utilization, list(stored.variants),
-            [r.name for r in stored.hypothesis.classes])  # fmt: skip
-    kwargs: dict[str, Any] = {"all_records": stored.all_records, "events": timeline,
-              "excluded": _excluded_spans(stored)}  # fmt: skip
-    # a run's child, matplotlib imported while the run simulated, draws them (`forked`)
-    worker = forked.take_warm()
+    draw = _plots(stored, timeline)
+    worker = drawing if drawing is not None else forked.take_warm()  # matplotlib imported
     try:
-        if worker is not None:
-            worker.send(write_plots, *args, **kwargs)
+        if worker is not None and drawing is None:
+            worker.send(draw)
         run = analyze_stored(stored)
         run.summary.save(run_dir)
         context = entry_context(run, timeline)
@@ -569,7 +593,7 @@ def build_report(run_dir: Path, frames: StoredFrames | None = None) -> AnalyzedR
         if worker is not None:
             worker.close()
     if drawn is None:
-        context["plots"] = write_plots(*args, **kwargs)
+        context["plots"] = draw()
     else:
         context["plots"] = [(str(title), str(path)) for title, path in drawn]
     write_atomic(run_dir / "report.md", render_template("report.md.j2", context))

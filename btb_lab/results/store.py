@@ -51,6 +51,7 @@ __all__ = [
     "read_records",
     "read_utilization",
     "record_row",
+    "stored_frames",
     "write_atomic",
     "write_events_part",
     "write_json",
@@ -393,6 +394,20 @@ def _read_arrow_part(path: Path) -> list[Any]:
     return batches
 
 
+def _in_variant_order(frame: pd.DataFrame, order: list[str] | None) -> pd.DataFrame:
+    """The rows by `order`'s variants (one it lacks last), then repeat, ties as they were;
+    each variant's rank found once per distinct name, not per row."""
+    if not order:
+        return frame
+    import numpy as np
+    import pandas as pd
+
+    rank = {v: i for i, v in enumerate(order)}
+    codes = pd.Index(list(rank)).get_indexer(pd.Index(frame["variant"]))  # -1: not in it
+    ranks = np.append(np.fromiter(rank.values(), np.int64, len(rank)), len(rank))[codes]
+    return frame.iloc[np.lexsort((frame["repeat"].to_numpy(), ranks))]
+
+
 def _typed_records(rows: Rows, order: list[str] | None) -> pd.DataFrame:
     """Rows of the parts as a typed frame with STORED_COLUMNS (+ `extra`)."""
     frame = _frame(rows, [*RECORD_COLUMNS, "extra"])
@@ -403,10 +418,7 @@ def _typed_records(rows: Rows, order: list[str] | None) -> pd.DataFrame:
     frame["ok"] = frame["ok"].fillna(False).astype(bool)
     for column in ("variant", "request_id", "trace_id", "source", "instance", "route"):
         frame[column] = frame[column].astype(str)
-    if order:
-        rank = {v: i for i, v in enumerate(order)}
-        frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
-        frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
+    frame = _in_variant_order(frame, order)
     frame = derive_timings(frame.reset_index(drop=True))
     return frame[[*STORED_COLUMNS, "extra"]]
 
@@ -418,10 +430,7 @@ def _typed_util(rows: Rows, order: list[str] | None) -> pd.DataFrame:
     frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
     for column in ("variant", "instance", "device", "source"):
         frame[column] = frame[column].astype(str)
-    if order:
-        rank = {v: i for i, v in enumerate(order)}
-        frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
-        frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
+    frame = _in_variant_order(frame, order)
     return frame.reset_index(drop=True)
 
 
@@ -432,10 +441,7 @@ def _typed_events(rows: Rows, order: list[str] | None) -> pd.DataFrame:
     frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
     for column in ("variant", "kind", "instance", "peer", "request_id", "label", "origin"):
         frame[column] = frame[column].fillna("").astype(str)
-    if order:
-        rank = {v: i for i, v in enumerate(order)}
-        frame = frame.assign(_rank=frame["variant"].map(rank).fillna(len(rank)))
-        frame = frame.sort_values(["_rank", "repeat"], kind="stable").drop(columns="_rank")
+    frame = _in_variant_order(frame, order)
     return frame.reset_index(drop=True)
 
 
@@ -461,15 +467,19 @@ class StoredFrames(NamedTuple):
     events: pd.DataFrame | None
 
 
+# each kind of part: how its rows are typed, and the parquet file they are stored in
+_STORED = (
+    ("requests", _typed_records, "requests.parquet"),
+    ("util", _typed_util, "utilization.parquet"),
+    ("events", _typed_events, "events.parquet"),
+)
+
+
 def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> StoredFrames:
     """Convert the record, utilization and event parts into `requests.parquet`,
     `utilization.parquet` and `events.parquet`; returns what was written."""
     written = []
-    for kind, typed, name in (
-        ("requests", _typed_records, "requests.parquet"),
-        ("util", _typed_util, "utilization.parquet"),
-        ("events", _typed_events, "events.parquet"),
-    ):
+    for kind, typed, name in _STORED:
         frame = typed(_read_parts(run_dir, kind), variant_order)
         _write_parquet(frame, run_dir / name)
         written.append(frame if _round_trips(frame) else None)
@@ -479,6 +489,23 @@ def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> S
     # follow start from the simulation's footprint instead of stacking on this one's
     pa.default_memory_pool().release_unused()
     return StoredFrames(*written)
+
+
+def stored_frames(run_dir: Path, variant_order: list[str] | None = None) -> StoredFrames:
+    """The frames `finalize_parquet` would store from the parts, each as reading its file
+    back gives it (through parquet in memory where `_round_trips` says the frame alone may
+    differ), without writing anything: what another process reads while that one writes."""
+    import io
+
+    import pandas as pd
+
+    frames = []
+    for kind, typed, _ in _STORED:
+        frame = typed(_read_parts(run_dir, kind), variant_order)
+        if not _round_trips(frame):
+            frame = pd.read_parquet(io.BytesIO(frame.to_parquet(None, index=False)))
+        frames.append(frame)
+    return StoredFrames(*frames)
 
 
 def _round_trips(frame: pd.DataFrame) -> bool:

@@ -16,9 +16,11 @@ from btb_lab.results import (
     Manifest,
     finalize_parquet,
     new_run_dir,
+    read_events,
     read_records,
     read_utilization,
     resolve_run_dir,
+    stored_frames,
     write_utilization_part,
 )
 
@@ -134,6 +136,14 @@ def test_the_frames_written_are_what_reading_back_gives(tmp_path: Path, sink_cls
         pd.testing.assert_frame_equal(frame, again, check_exact=True)
     assert frames.requests is not None
     assert len(frames.requests) == 10
+    # what another process draws from while this one writes: each frame as read back
+    for frame, read in zip(
+        stored_frames(tmp_path, ["b", "a"]), (read_records, read_utilization, read_events),
+        strict=True,
+    ):  # fmt: skip
+        again = read(tmp_path)
+        assert list(frame.dtypes) == list(again.dtypes)
+        pd.testing.assert_frame_equal(frame, again, check_exact=True)
 
 
 def test_jsonl_and_arrow_parts_side_by_side_are_both_read(tmp_path: Path) -> None:
@@ -154,6 +164,21 @@ def test_variant_order_is_kept(tmp_path: Path, sink_cls: Sink) -> None:
         sink.close()
     finalize_parquet(tmp_path, ["zeta", "alpha"])
     assert read_records(tmp_path)["variant"].tolist() == ["zeta", "alpha"]
+
+
+def test_rows_go_by_variant_order_then_repeat_one_not_named_last(tmp_path: Path) -> None:
+    for name, repeats in (("b", (1, 1, 0)), ("x", (0,)), ("a", (2, 0))):
+        sink = ArrowRecordSink(tmp_path, name, 0)
+        records = [rec(i, name) for i in range(len(repeats))]
+        for record, repeat in zip(records, repeats, strict=True):
+            record.repeat = repeat
+        sink.write(records)
+        sink.close()
+    frame = read_records(tmp_path, ["b", "a"])
+    assert list(zip(frame["variant"], frame["repeat"], frame["request_id"], strict=True)) == [
+        ("b", 0, "r2"), ("b", 1, "r0"), ("b", 1, "r1"), ("a", 0, "r1"), ("a", 2, "r0"),
+        ("x", 0, "r0"),
+    ]  # fmt: skip
 
 
 def manifest(run_dir: Path, hid: str = "H1", **fields: object) -> Manifest:

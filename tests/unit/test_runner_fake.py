@@ -9,6 +9,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -376,31 +377,58 @@ def test_a_run_draws_its_plots_in_a_warm_child_with_the_same_bytes(
         os.waitpid(-1, os.WNOHANG)
 
 
-def test_the_plots_are_sent_to_the_warm_child_before_the_analysis_starts(
+def test_the_plots_are_sent_to_the_warm_child_before_the_records_are_stored(
     tmp_path: Path, fake_effects, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plots need no statistics: the child draws them while the parent computes the
+    """The plots need no statistics: once every record is in the parts, the child draws
+    them from the parts while the parent converts them to parquet and computes the
     verdict (bootstrap, metrics), and the report waits for both."""
+    from btb_lab import runner
     from btb_lab.analysis import summary
     from btb_lab.report import forked, render
 
     order: list[str] = []
-    send, analyze = forked.Warm.send, summary.analyze_stored
+    send, analyze, store = forked.Warm.send, summary.analyze_stored, runner.finalize_parquet
 
-    def sent(self: forked.Warm, *args: object, **kwargs: object) -> bool:
-        order.append("plots sent")
-        return send(self, *args, **kwargs)
+    def sent(self: forked.Warm, fn: object, *args: object, **kwargs: object) -> bool:
+        order.append(f"{getattr(fn, '__name__', fn)} sent")
+        return send(self, fn, *args, **kwargs)
 
     def analyzed(stored: summary.StoredRun) -> summary.AnalyzedRun:
         order.append("analysis")
         return analyze(stored)
 
+    def stored(*args: Any, **kwargs: Any) -> Any:
+        order.append("records stored")
+        return store(*args, **kwargs)
+
     monkeypatch.setattr(forked, "fork_allowed", lambda: True)
     monkeypatch.setattr(forked.Warm, "send", sent)
     monkeypatch.setattr(render, "analyze_stored", analyzed)
+    monkeypatch.setattr(runner, "finalize_parquet", stored)
     run = run_fake(tmp_path, out="warm")
-    assert order == ["plots sent", "analysis"]
+    assert order == ["plots_from_parts sent", "records stored", "analysis"]
     assert len(_plots(run.run_dir)) >= 3
+    with pytest.raises(ChildProcessError):  # the child was reaped
+        os.waitpid(-1, os.WNOHANG)
+
+
+def _no_drawing(run_dir: Path, variant_order: list[str]) -> list[tuple[str, str]]:
+    raise RuntimeError("the child could not draw")
+
+
+def test_plots_a_child_failed_to_draw_from_the_parts_are_drawn_by_the_run(
+    tmp_path: Path, fake_effects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from btb_lab.report import forked, render
+
+    monkeypatch.setattr(forked, "fork_allowed", lambda: False)
+    alone = run_fake(tmp_path, out="alone")
+    monkeypatch.setattr(forked, "fork_allowed", lambda: True)
+    monkeypatch.setattr(render, "plots_from_parts", _no_drawing)
+    fallen_back = run_fake(tmp_path, out="fallen-back")
+    assert _plots(fallen_back.run_dir) == _plots(alone.run_dir)
+    assert len(_plots(alone.run_dir)) >= 3
     with pytest.raises(ChildProcessError):  # the child was reaped
         os.waitpid(-1, os.WNOHANG)
 
