@@ -36,6 +36,7 @@ from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.limits import MAX_UTIL_SAMPLES
 from btb_lab.config.variants import resolve_variant
 from btb_lab.errors import STORAGE_ERRNOS, OutputError, UserError, describe_os_error
+from btb_lab.forks import fork_safe
 from btb_lab.hypothesis.loader import LoadedHypothesis, load_hypothesis
 from btb_lab.interrupts import terminate_interrupts
 from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
@@ -449,8 +450,10 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
             (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
             _remove_if_empty(run_dir)
         if drawing is not None and (failure is not None or interrupted is not None):
-            drawing.close()  # the report of a failed or stopped run draws what is there
-            drawing = None
+            from btb_lab.report.plots import stop_drawing
+
+            stop_drawing(drawing, run_dir / "plots")  # the report of a failed or stopped run
+            drawing = None  # draws what is there, in this process
     if not opened and failure is not None:
         raise failure
     if not opened and interrupted is not None:
@@ -679,7 +682,7 @@ def _variant_world(
 def _jobs(jobs: int, backend: Backend, variants: int) -> int:
     """How many of a repeat's variants run at once: 1 unless the backend's runs share
     nothing (`parallel_variants`) and this process can fork; 0 means one per core."""
-    if not getattr(backend, "parallel_variants", False) or not workers.can_fork():
+    if not getattr(backend, "parallel_variants", False) or not fork_safe():
         return 1
     return max(1, min(jobs or workers.cores(), variants))
 

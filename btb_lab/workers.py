@@ -22,24 +22,18 @@ import os
 import selectors
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from btb_lab.errors import UserError
+from btb_lab.forks import die_with_parent
 from btb_lab.interrupts import Terminated
 
-__all__ = ["Task", "WorkerProgress", "can_fork", "cores", "run_tasks"]
+__all__ = ["Task", "WorkerProgress", "cores", "run_tasks"]
 
 _PROGRESS_EVERY_S = 0.1
-
-
-def can_fork() -> bool:
-    """A fork is safe from this process's single thread (a lock another thread held
-    would stay held in the child)."""
-    return hasattr(os, "fork") and threading.active_count() == 1
 
 
 def cores() -> int:
@@ -101,21 +95,7 @@ def _send(fd: int, line: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-_PR_SET_PDEATHSIG = 1
 _STOPS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: this worker is killed when the parent dies (SIGKILL of the run kills its
-    workers too, as it would a run in one process, instead of leaving them running)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above
-        os._exit(1)
 
 
 def _ignore_stops() -> None:
@@ -148,7 +128,7 @@ def _worker(task: Task, fd: int, parent: int, received: list[int]) -> None:
     (one noted before its handlers were in place included); later ones are ignored while
     it answers. A worker of a run that ignores Ctrl-C (started in the background) ignores
     it too."""
-    _die_with_parent(parent)
+    die_with_parent(parent)
 
     def stop(signum: int, frame: object) -> None:
         _ignore_stops()

@@ -24,9 +24,10 @@ import json
 import os
 import pickle
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from btb_lab.forks import die_with_parent, fork_safe
 
 __all__ = [
     "ENV", "Forked", "Warm", "fork_allowed", "inline", "prewarmed", "start", "take_warm", "warm",
@@ -50,9 +51,7 @@ def inline() -> Iterator[None]:
 
 def fork_allowed() -> bool:
     """A fork is safe with this process's single thread, and pays with a second core."""
-    if not hasattr(os, "fork") or os.environ.get(ENV, "1") == "0" or _inline_depth:
-        return False
-    if threading.active_count() != 1:  # a lock held by another thread would stay held
+    if os.environ.get(ENV, "1") == "0" or _inline_depth or not fork_safe():
         return False
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (cores or 1) >= 2
@@ -78,15 +77,17 @@ class Forked:
             return None
         return json.loads(payload)
 
-    def cancel(self) -> None:
-        """Stop and reap the child (a Ctrl-C in the parent must not leave it behind)."""
+    def cancel(self) -> bool:
+        """Stop and reap the child (a Ctrl-C in the parent must not leave it behind); True
+        when it was stopped before it answered, maybe in the middle of a file."""
         if self._reaped:
-            return
+            return False
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
         self._reaped = True
+        return True
 
 
 def _fork(
@@ -94,8 +95,10 @@ def _fork(
     sigint: Any,
 ) -> int | None:  # fmt: skip
     """Fork: the child closes the parent's pipe ends, runs `body` and exits (0 when it
-    returned) without the parent's exit handlers or buffered output; the parent closes the
-    child's ends and gets the pid. None, every end closed, when the fork fails."""
+    returned) without the parent's exit handlers or buffered output, or dies with the
+    parent; the parent closes the child's ends and gets the pid. None, every end closed,
+    when the fork fails."""
+    parent = os.getpid()
     try:
         pid = os.fork()
     except OSError:
@@ -105,6 +108,7 @@ def _fork(
     if pid == 0:  # the child
         code = 1
         try:
+            die_with_parent(parent)
             for fd in parent_ends:
                 os.close(fd)
             signal.signal(signal.SIGINT, sigint)
@@ -163,12 +167,13 @@ class Warm:
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self.result() if self.send(fn, *args, **kwargs) else None
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop the child; True when it was stopped before it answered (`Forked.cancel`)."""
         if self._command_fd >= 0:  # never called: the child reads an empty command and exits
             with contextlib.suppress(OSError):
                 os.close(self._command_fd)
             self._command_fd = -1
-        self._child.cancel()
+        return self._child.cancel()
 
 
 def warm(prepare: Callable[[], object]) -> Warm | None:

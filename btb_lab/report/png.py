@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["META", "pyplot", "save"]
+__all__ = ["META", "pyplot", "remove_partial", "save"]
 
 META = {"Software": None}
 # zlib level 1: about a third of level 6's encoding time for files about 15% larger
@@ -45,3 +45,11 @@ def save(fig: Any, path: Path, dpi: int = 100, *, close: bool = True) -> None:
     if close:
         pyplot().close(fig)
     write_atomic(path, buffer.getvalue())
+
+
+def remove_partial(plots_dir: Path) -> None:
+    """Remove the temporary files of figures a drawing child was writing when it was
+    stopped (`write_atomic` renames each one into place only once it is whole)."""
+    if plots_dir.is_dir():
+        for tmp in plots_dir.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)

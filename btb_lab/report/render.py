@@ -21,6 +21,7 @@ from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, rea
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.report import forked
+from btb_lab.report.plots import stop_drawing, write_plots
 from btb_lab.results import RunEntry, StoredFrames, stored_frames, write_atomic
 
 __all__ = [
@@ -546,8 +547,6 @@ def _excluded_spans(run: StoredRun | AnalyzedRun) -> list[tuple[float, float]]:
 
 def _plots(stored: StoredRun, timeline: pd.DataFrame) -> functools.partial[list[tuple[str, str]]]:
     """`write_plots` for a stored run, ready to call (here, or pickled to a child)."""
-    from btb_lab.report.plots import write_plots
-
     return functools.partial(
         write_plots, stored.run_dir / "plots", stored.records, stored.utilization,
         list(stored.variants), [r.name for r in stored.hypothesis.classes],
@@ -591,7 +590,7 @@ def build_report(
         drawn = worker.result() if worker is not None else None
     finally:
         if worker is not None:
-            worker.close()
+            stop_drawing(worker, run_dir / "plots")
     if drawn is None:
         context["plots"] = draw()
     else:

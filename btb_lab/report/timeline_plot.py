@@ -23,7 +23,7 @@ import pandas as pd
 from btb_lab.analysis.scopes import rows_where, variant_rows
 from btb_lab.analysis.timeline import burst_windows, route_counts, timeline_events
 from btb_lab.report import forked
-from btb_lab.report.png import save
+from btb_lab.report.png import remove_partial, save
 
 __all__ = ["write_timelines"]
 
@@ -428,12 +428,16 @@ def write_timelines(
         # the zoom in a child of its own, beside the whole view (the same figure drawn
         # fresh or reused gives the same bytes); a failed child leaves it to this process
         child = forked.start(zoom)
-    fig = timeline.show(None, f"Timeline, {which}: arrivals by route, queue depth and running "
-                              "batch per instance")  # fmt: skip
-    save(fig, plots_dir / "timeline.png", dpi=90, close=zoom is None)
+    try:
+        fig = timeline.show(None, f"Timeline, {which}: arrivals by route, queue depth and "
+                                  "running batch per instance")  # fmt: skip
+        save(fig, plots_dir / "timeline.png", dpi=90, close=zoom is None)
+        drawn = child.result() if child is not None else None
+    finally:  # this drawing failed or was stopped: so is the child's
+        if child is not None and child.cancel():
+            remove_partial(plots_dir)
     written = [(f"Timeline ({which})", "plots/timeline.png")]
     if zoom is not None:
-        drawn = child.result() if child is not None else None
         if drawn is None:
             written += zoom()
         else:

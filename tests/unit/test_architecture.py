@@ -17,10 +17,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "btb_lab"
 # the data contracts and helpers every stage shares (records.py, events.py)
 # shared by every stage: errors, the registry helper, the record types, and the small
 # utilities every layer needs (strict YAML reading, credential redaction, Ctrl-C handling,
-# the cyclic garbage collector kept off loaded and simulated objects)
+# the cyclic garbage collector kept off loaded and simulated objects, safe forks)
 BASE = {
     "errors", "registry", "records", "events", "btb_lab", "yamlio", "redact", "interrupts",
-    "collector",
+    "collector", "forks",
 }  # fmt: skip
 
 # stage -> stages it may import (besides itself and BASE)
@@ -34,6 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "redact": set(),
     "interrupts": set(),
     "collector": set(),
+    "forks": set(),
     # forked workers for a repeat's variants (the runner's; it knows no stage)
     "workers": set(),
     "config": set(),

@@ -200,6 +200,32 @@ def test_the_zoom_drawn_in_its_own_child_is_the_same_file(
     assert _timelines(tmp_path / "after") == alone
 
 
+def test_a_failed_timeline_stops_the_child_drawing_its_zoom(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole view fails to save (a full disk, a Ctrl-C): the zoom's child is stopped
+    and reaped there, not left drawing into the directory."""
+    children = _counting_children(monkeypatch)
+    parent = os.getpid()
+    save = timeline_plot.save
+
+    def fails_in_the_parent(fig: object, path: Path, *args: object, **kwargs: object) -> None:
+        if os.getpid() == parent and path.name == "timeline.png":
+            raise OSError(28, "No space left on device")
+        if os.getpid() != parent:
+            time.sleep(60)  # the child is still drawing
+        save(fig, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(timeline_plot, "save", fails_in_the_parent)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        _timelines(tmp_path / "out")
+    assert len(children) == 1
+    assert isinstance(children[0], forked.Forked)
+    with pytest.raises(ChildProcessError):  # reaped: not running, not a zombie either
+        os.waitpid(children[0].pid, os.WNOHANG)
+
+
 def test_a_failed_child_leaves_the_timelines_to_the_parent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

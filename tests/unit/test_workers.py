@@ -20,6 +20,7 @@ import pytest
 
 from btb_lab import runner, workers
 from btb_lab.errors import UserError
+from btb_lab.forks import fork_safe
 from btb_lab.records import Request
 from tests.helpers import cli, write_small
 
@@ -189,7 +190,7 @@ def test_variants_in_workers_give_the_run_of_one_after_another(
     """Two repeats of two variants, with the progress display on (redrawn without a
     thread, so the process may fork): the records, events, utilization, plots, summary
     and the manifest's runs are those of `--jobs 1`."""
-    if not workers.can_fork():
+    if not fork_safe():
         pytest.skip("this process cannot fork workers")
     calls = _counting(monkeypatch)
     path = write_small(tmp_path, **{"repeats: 1": "repeats: 2"})
@@ -236,7 +237,7 @@ def _pipes_and_epolls() -> tuple[int, int]:
 def test_a_worker_holds_none_of_the_parents_pipes_and_epoll_set() -> None:
     """A worker forked while another runs does not keep that one's pipe open (nor the
     parent's epoll set): it has the pipes the first worker has, no more."""
-    if not workers.can_fork() or not Path("/proc/self/fd").is_dir():
+    if not fork_safe() or not Path("/proc/self/fd").is_dir():
         pytest.skip("needs fork and /proc")
 
     def first(progress: workers.WorkerProgress) -> Any:
@@ -278,7 +279,7 @@ def test_a_worker_takes_its_copies_of_the_requests_pages_before_its_run() -> Non
     """A worker's run writes reference counts on requests the parent loaded, each write
     to a page still shared with the parent a copy-on-write fault in the middle of the
     event loop; `_own_pages` takes them all first, in one loop (benchmarks/README.md)."""
-    if not workers.can_fork() or not sys.platform.startswith("linux"):
+    if not fork_safe() or not sys.platform.startswith("linux"):
         pytest.skip("needs fork and Linux's per-process fault counts")
     ids = tuple(range(10**6, 10**6 + 300))  # ~2.4 KB a tuple: about a page each
     requests = [Request(request_id=f"r{i}", arrival_s=float(i), input_tokens=300 * 16,
@@ -295,7 +296,7 @@ def test_a_worker_takes_its_copies_of_the_requests_pages_before_its_run() -> Non
 def test_a_variant_whose_worker_dies_is_a_failed_run_and_the_others_are_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not workers.can_fork():
+    if not fork_safe():
         pytest.skip("this process cannot fork workers")
     from btb_lab.sim.backend import SimBackend
 
