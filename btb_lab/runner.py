@@ -450,7 +450,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
             (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
             _remove_if_empty(run_dir)
         if drawing is not None and (failure is not None or interrupted is not None):
-            from btb_lab.report.plots import stop_drawing
+            from btb_lab.report.png import stop_drawing
 
             stop_drawing(drawing, run_dir / "plots")  # the report of a failed or stopped run
             drawing = None  # draws what is there, in this process

@@ -72,12 +72,12 @@ class Forked:
             _, status = os.waitpid(self.pid, 0)
             self._reaped = True
         finally:
-            self.cancel()
+            self.close()
         if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0) or not payload:
             return None
         return json.loads(payload)
 
-    def cancel(self) -> bool:
+    def close(self) -> bool:
         """Stop and reap the child (a Ctrl-C in the parent must not leave it behind); True
         when it was stopped before it answered, maybe in the middle of a file."""
         if self._reaped:
@@ -168,12 +168,12 @@ class Warm:
         return self.result() if self.send(fn, *args, **kwargs) else None
 
     def close(self) -> bool:
-        """Stop the child; True when it was stopped before it answered (`Forked.cancel`)."""
+        """Stop the child; True when it was stopped before it answered (`Forked.close`)."""
         if self._command_fd >= 0:  # never called: the child reads an empty command and exits
             with contextlib.suppress(OSError):
                 os.close(self._command_fd)
             self._command_fd = -1
-        return self._child.cancel()
+        return self._child.close()
 
 
 def warm(prepare: Callable[[], object]) -> Warm | None:

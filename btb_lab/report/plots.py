@@ -21,7 +21,7 @@ import pandas as pd
 
 from btb_lab.analysis.scopes import rows_where
 from btb_lab.report import forked
-from btb_lab.report.png import pyplot, remove_partial, save
+from btb_lab.report.png import pyplot, save, stop_drawing
 from btb_lab.report.timeline_plot import write_timelines
 
 __all__ = ["cdf_points", "write_plots"]
@@ -171,12 +171,6 @@ def _utilization(
     return [("Utilization per instance", "plots/utilization.png")]
 
 
-def stop_drawing(worker: forked.Warm, plots_dir: Path) -> None:
-    """Stop a drawing child; a figure it was writing when stopped goes with it."""
-    if worker.close():
-        remove_partial(plots_dir)
-
-
 def write_plots(
     plots_dir: Path,
     records: pd.DataFrame,
@@ -214,7 +208,6 @@ def write_plots(
         written += _utilization(plt, plots_dir, utilization, variants)
         drawn = child.result() if child is not None else None
     finally:
-        if child is not None and child.cancel():
-            remove_partial(plots_dir)
+        stop_drawing(child, plots_dir)
     timeline = [(str(t), str(p)) for t, p in drawn] if drawn is not None else timelines()
     return timeline + written

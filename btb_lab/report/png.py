@@ -5,9 +5,12 @@ and its timeline."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["META", "pyplot", "remove_partial", "save"]
+if TYPE_CHECKING:
+    from btb_lab.report.forked import Forked, Warm
+
+__all__ = ["META", "pyplot", "save", "stop_drawing"]
 
 META = {"Software": None}
 # zlib level 1: about a third of level 6's encoding time for files about 15% larger
@@ -47,9 +50,10 @@ def save(fig: Any, path: Path, dpi: int = 100, *, close: bool = True) -> None:
     write_atomic(path, buffer.getvalue())
 
 
-def remove_partial(plots_dir: Path) -> None:
-    """Remove the temporary files of figures a drawing child was writing when it was
-    stopped (`write_atomic` renames each one into place only once it is whole)."""
-    if plots_dir.is_dir():
+def stop_drawing(child: Forked | Warm | None, plots_dir: Path) -> None:
+    """Stop a drawing child (this process's drawing failed or was stopped, or the run
+    was); a figure it was writing goes with it: `write_atomic` renames each one into
+    place only once it is whole, and the temporary file it leaves is removed here."""
+    if child is not None and child.close() and plots_dir.is_dir():
         for tmp in plots_dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)

@@ -21,7 +21,8 @@ from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, rea
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.report import forked
-from btb_lab.report.plots import stop_drawing, write_plots
+from btb_lab.report.plots import write_plots
+from btb_lab.report.png import stop_drawing
 from btb_lab.results import RunEntry, StoredFrames, stored_frames, write_atomic
 
 __all__ = [
@@ -589,8 +590,7 @@ def build_report(
         context = entry_context(run, timeline)
         drawn = worker.result() if worker is not None else None
     finally:
-        if worker is not None:
-            stop_drawing(worker, run_dir / "plots")
+        stop_drawing(worker, run_dir / "plots")
     if drawn is None:
         context["plots"] = draw()
     else:

@@ -23,7 +23,7 @@ import pandas as pd
 from btb_lab.analysis.scopes import rows_where, variant_rows
 from btb_lab.analysis.timeline import burst_windows, route_counts, timeline_events
 from btb_lab.report import forked
-from btb_lab.report.png import remove_partial, save
+from btb_lab.report.png import save, stop_drawing
 
 __all__ = ["write_timelines"]
 
@@ -434,8 +434,7 @@ def write_timelines(
         save(fig, plots_dir / "timeline.png", dpi=90, close=zoom is None)
         drawn = child.result() if child is not None else None
     finally:  # this drawing failed or was stopped: so is the child's
-        if child is not None and child.cancel():
-            remove_partial(plots_dir)
+        stop_drawing(child, plots_dir)
     written = [(f"Timeline ({which})", "plots/timeline.png")]
     if zoom is not None:
         if drawn is None:

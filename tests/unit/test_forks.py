@@ -14,7 +14,7 @@ import pytest
 
 from btb_lab.forks import fork_safe
 from btb_lab.report import forked
-from btb_lab.report.plots import stop_drawing
+from btb_lab.report.png import stop_drawing
 
 
 def _alive(pid: int) -> bool:

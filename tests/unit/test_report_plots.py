@@ -260,7 +260,7 @@ def test_forked_child_answers_fails_or_is_stopped(monkeypatch: pytest.MonkeyPatc
     assert failing.result() is None
     sleeping = forked.start(lambda: time.sleep(60))
     assert sleeping is not None
-    sleeping.cancel()  # killed and reaped: no child is left
+    sleeping.close()  # killed and reaped: no child is left
     with pytest.raises(ChildProcessError):
         os.waitpid(sleeping.pid, os.WNOHANG)
     monkeypatch.undo()
