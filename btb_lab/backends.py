@@ -62,8 +62,8 @@ class BackendResult:
 class Backend(Protocol):
     """A backend may also define `close()`; the runner calls it once after the last
     variant (or on error / Ctrl-C) so instances reused across variants are stopped. Its
-    `record_format` (default "jsonl") picks the parts its records are written to
-    (`results.RECORD_SINKS`)."""
+    `record_format` (default "jsonl") picks the parts its records, utilization samples and
+    events are written to (`results.RECORD_SINKS`; "arrow": Arrow IPC streams)."""
 
     name: str
 

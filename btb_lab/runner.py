@@ -800,9 +800,10 @@ def _run_one(
         manifest.runs.append(entry)
         save()
     seed = entry.seed
+    record_format = getattr(backend, "record_format", "jsonl")
     sink: JsonlRecordSink | ArrowRecordSink | None = None
     try:
-        sink = RECORD_SINKS[getattr(backend, "record_format", "jsonl")](run_dir, name, repeat)
+        sink = RECORD_SINKS[record_format](run_dir, name, repeat)
         resolved, costs = world
         ctx = RunContext(
             hypothesis=resolved, variant_name=name, variant=hyp.variants[name], repeat=repeat,
@@ -836,8 +837,8 @@ def _run_one(
             entry.records = sink.count if sink is not None else 0
             entry.finished = _now()
             save()
-    write_utilization_part(run_dir, name, repeat, result.utilization)
-    write_events_part(run_dir, name, repeat, result.events)
+    write_utilization_part(run_dir, name, repeat, result.utilization, record_format)
+    write_events_part(run_dir, name, repeat, result.events, record_format)
     entry.status = "ok"
     manifest.fidelity[name] = dict(result.fidelity)
     manifest.telemetry_source = result.telemetry_source

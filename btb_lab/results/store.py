@@ -204,18 +204,12 @@ class ArrowRecordSink:
     def write(self, records: Iterable[RequestRecord]) -> None:
         if self._fh is None:
             raise RuntimeError("write to a closed record sink")
-        import pyarrow as pa
-
         batch = list(records)
         if not batch:
             return
         columns: list[Any] = list(zip(*map(_RECORD_VALUES, batch), strict=True))
         columns.append([json.dumps(r.extra, sort_keys=True) if r.extra else None for r in batch])
-        arrays = [
-            pa.array(values, type=field.type)
-            for values, field in zip(columns, self._schema, strict=True)
-        ]
-        self._writer.write_batch(pa.record_batch(arrays, schema=self._schema))
+        self._writer.write_batch(_arrow_batch(self._schema, columns))
         self._fh.flush()
         self.count += len(batch)
 
@@ -237,39 +231,77 @@ RECORD_SINKS: dict[str, type[JsonlRecordSink] | type[ArrowRecordSink]] = {
 }
 
 
+def _arrow_batch(schema: Any, columns: list[Any]) -> pa.RecordBatch:
+    """A record batch of `schema` from one list of values per column."""
+    import pyarrow as pa
+
+    arrays = [pa.array(values, type=f.type) for values, f in zip(columns, schema, strict=True)]
+    return pa.record_batch(arrays, schema=schema)
+
+
+# the fields of a utilization sample and of an event, in UTIL_COLUMNS / EVENT_COLUMNS order
+# after `variant` and `repeat`
+_UTIL_VALUES = operator.attrgetter(*UTIL_COLUMNS[2:])
+_EVENT_VALUES = operator.attrgetter(*EVENT_COLUMNS[2:])
+
+
 def write_utilization_part(
-    run_dir: Path, variant: str, repeat: int, samples: Iterable[UtilSample]
+    run_dir: Path,
+    variant: str,
+    repeat: int,
+    samples: Iterable[UtilSample],
+    fmt: str = "jsonl",
 ) -> None:
-    parts = run_dir / PARTS_DIR
-    parts.mkdir(parents=True, exist_ok=True)
-    path = parts / _part_name(variant, repeat, "util")
-    with path.open("w", encoding="utf-8") as fh:
-        for s in samples:
-            row = {
-                "variant": variant, "repeat": repeat, "time_s": s.time_s, "instance": s.instance,
-                "device": s.device, "utilization": s.utilization,
-                "memory_bytes": s.memory_bytes, "source": s.source,
-            }  # fmt: skip
-            fh.write(json.dumps(row) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    """The utilization samples of one variant × repeat, as a JSONL part or (`fmt`
+    "arrow", the simulator's) an Arrow one."""
+    _write_part(run_dir, variant, repeat, "util", list(map(_UTIL_VALUES, samples)), fmt)
 
 
 def write_events_part(
-    run_dir: Path, variant: str, repeat: int, events: Iterable[EventRecord]
+    run_dir: Path,
+    variant: str,
+    repeat: int,
+    events: Iterable[EventRecord],
+    fmt: str = "jsonl",
 ) -> None:
-    """The events of one variant × repeat, ordered by time (ties keep their order)."""
+    """The events of one variant × repeat, ordered by time (ties keep their order), as a
+    JSONL part or (`fmt` "arrow") an Arrow one."""
+    ordered = sorted(events, key=lambda e: e.time_s)
+    _write_part(run_dir, variant, repeat, "events", list(map(_EVENT_VALUES, ordered)), fmt)
+
+
+def _write_part(
+    run_dir: Path, variant: str, repeat: int, kind: str, rows: list[tuple[Any, ...]], fmt: str
+) -> None:
+    """One part of `kind` whose rows are `rows` after `variant` and `repeat`, synced to
+    disk. Arrow where asked and every value has its column's type (a value pyarrow would
+    refuse, say an integer too wide, goes to JSONL as before); parsing the JSONL text back
+    cost more than writing it."""
     parts = run_dir / PARTS_DIR
     parts.mkdir(parents=True, exist_ok=True)
-    path = parts / _part_name(variant, repeat, "events")
-    ordered = sorted(events, key=lambda e: e.time_s)
+    names = list(_PART_TYPES[kind])
+    if fmt == "arrow" and rows:
+        import pyarrow as pa
+
+        schema = _part_schema(_PART_TYPES[kind])
+        columns: list[Any] = [[variant] * len(rows), [repeat] * len(rows)]
+        columns += [list(values) for values in zip(*rows, strict=True)]
+        try:
+            batch = _arrow_batch(schema, columns)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+            batch = None
+        if batch is not None:
+            path = parts / _part_name(variant, repeat, kind, ARROW_PART)
+            with path.open("wb") as fh:
+                with pa.ipc.new_stream(fh, schema) as writer:
+                    writer.write_batch(batch)
+                fh.flush()
+                os.fsync(fh.fileno())
+            return
+    path = parts / _part_name(variant, repeat, kind)
     with path.open("w", encoding="utf-8") as fh:
-        for e in ordered:
-            row = {
-                "variant": variant, "repeat": repeat, "time_s": e.time_s, "kind": e.kind,
-                "instance": e.instance, "peer": e.peer, "request_id": e.request_id,
-                "value": e.value, "end_s": e.end_s, "label": e.label, "origin": e.origin,
-            }  # fmt: skip
+        for values in rows:
+            row = dict(zip(names, (variant, repeat, *values), strict=True))
             fh.write(json.dumps(row, allow_nan=True) + "\n")
         fh.flush()
         os.fsync(fh.fileno())

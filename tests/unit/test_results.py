@@ -268,6 +268,39 @@ def test_parts_read_as_columns_give_the_frames_the_line_reader_gives(
     assert len(read["requests"]()) == 3
 
 
+def test_arrow_util_and_event_parts_read_back_as_the_jsonl_ones(tmp_path: Path) -> None:
+    """The simulator writes its utilization and event parts as Arrow: the frames read from
+    them (NaN, None, integers in float columns, ties in time) equal those of JSONL parts,
+    and a value Arrow refuses sends that part to JSONL instead of failing the run."""
+    import math
+
+    import pandas as pd
+
+    from btb_lab.records import EventRecord
+    from btb_lab.results import store
+
+    samples = [UtilSample(0.0, "C0", "sim", 0.5, 3), UtilSample(0.25, "C1", "sim", 1, math.nan)]
+    events = [
+        EventRecord(1.0, "warm_copy", "C1", "C0", "r2", 4096.0, math.nan, "rdma", "policy"),
+        EventRecord(0.5, "waiting", "C0", value=2),
+        EventRecord(0.5, "running", None, value=1, end_s=math.inf),
+    ]  # fmt: skip
+    frames = {}
+    for fmt in ("jsonl", "arrow"):
+        run_dir = tmp_path / fmt
+        write_utilization_part(run_dir, "v", 2, samples, fmt)
+        store.write_events_part(run_dir, "v", 2, events, fmt)
+        suffixes = {part.suffix for part in (run_dir / "parts").iterdir()}
+        assert suffixes == {".jsonl" if fmt == "jsonl" else ".arrows"}
+        frames[fmt] = (read_utilization(run_dir, ["v"]), read_events(run_dir, ["v"]))
+    for jsonl, arrow in zip(frames["jsonl"], frames["arrow"], strict=True):
+        pd.testing.assert_frame_equal(jsonl, arrow, check_exact=True)
+    assert frames["arrow"][1]["kind"].tolist() == ["waiting", "running", "warm_copy"]
+    wide = [UtilSample(0.0, "C0", "sim", 0.5, 10**400)]  # no float64 holds it
+    write_utilization_part(tmp_path / "wide", "v", 0, wide, "arrow")
+    assert [p.suffix for p in (tmp_path / "wide" / "parts").iterdir()] == [".jsonl"]
+
+
 def test_record_row_names_every_column_in_order() -> None:
     from btb_lab.results.store import record_row
 
