@@ -280,12 +280,15 @@ def _write_part(
     parts = run_dir / PARTS_DIR
     parts.mkdir(parents=True, exist_ok=True)
     names = list(_PART_TYPES[kind])
-    if fmt == "arrow" and rows:
+    if fmt == "arrow":  # every part of a run's kind in one format: one columnar read
         import pyarrow as pa
 
         schema = _part_schema(_PART_TYPES[kind])
         columns: list[Any] = [[variant] * len(rows), [repeat] * len(rows)]
-        columns += [list(values) for values in zip(*rows, strict=True)]
+        if rows:
+            columns += [list(values) for values in zip(*rows, strict=True)]
+        else:  # no samples or no events: a batch of no rows
+            columns += [[] for _ in range(len(schema) - 2)]
         try:
             batch = _arrow_batch(schema, columns)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):

@@ -270,8 +270,9 @@ def test_parts_read_as_columns_give_the_frames_the_line_reader_gives(
 
 def test_arrow_util_and_event_parts_read_back_as_the_jsonl_ones(tmp_path: Path) -> None:
     """The simulator writes its utilization and event parts as Arrow: the frames read from
-    them (NaN, None, integers in float columns, ties in time) equal those of JSONL parts,
-    and a value Arrow refuses sends that part to JSONL instead of failing the run."""
+    them (NaN, None, integers in float columns, ties in time, a variant without events)
+    equal those of JSONL parts, every part of a run is in one format, and a value Arrow
+    refuses sends that part to JSONL instead of failing the run."""
     import math
 
     import pandas as pd
@@ -290,11 +291,21 @@ def test_arrow_util_and_event_parts_read_back_as_the_jsonl_ones(tmp_path: Path) 
         run_dir = tmp_path / fmt
         write_utilization_part(run_dir, "v", 2, samples, fmt)
         store.write_events_part(run_dir, "v", 2, events, fmt)
-        suffixes = {part.suffix for part in (run_dir / "parts").iterdir()}
-        assert suffixes == {".jsonl" if fmt == "jsonl" else ".arrows"}
         frames[fmt] = (read_utilization(run_dir, ["v"]), read_events(run_dir, ["v"]))
+        # a variant with no events: an empty part in the same format as the others
+        store.write_events_part(run_dir, "w", 0, [], fmt)
+        frames[fmt] += (read_events(run_dir, ["v", "w"]),)
     for jsonl, arrow in zip(frames["jsonl"], frames["arrow"], strict=True):
         pd.testing.assert_frame_equal(jsonl, arrow, check_exact=True)
+    assert len(frames["arrow"][2]) == 3
+    for fmt in ("jsonl", "arrow"):
+        suffixes = {part.suffix for part in (tmp_path / fmt / "parts").iterdir()}
+        assert suffixes == {".jsonl" if fmt == "jsonl" else ".arrows"}
+    empty = {}
+    for fmt in ("jsonl", "arrow"):  # every variant without events
+        store.write_events_part(tmp_path / "empty" / fmt, "w", 0, [], fmt)
+        empty[fmt] = read_events(tmp_path / "empty" / fmt, ["w"])
+    pd.testing.assert_frame_equal(empty["jsonl"], empty["arrow"], check_exact=True)
     assert frames["arrow"][1]["kind"].tolist() == ["waiting", "running", "warm_copy"]
     wide = [UtilSample(0.0, "C0", "sim", 0.5, 10**400)]  # no float64 holds it
     write_utilization_part(tmp_path / "wide", "v", 0, wide, "arrow")
