@@ -276,38 +276,41 @@ def _write_part(
     """One part of `kind` whose rows are `rows` after `variant` and `repeat`, synced to
     disk. Arrow where asked and every value has its column's type (a value pyarrow would
     refuse, say an integer too wide, goes to JSONL as before); parsing the JSONL text back
-    cost more than writing it."""
+    cost more than writing it. A run's parts of one kind are then all Arrow, even empty
+    ones, and are read as one table."""
     parts = run_dir / PARTS_DIR
     parts.mkdir(parents=True, exist_ok=True)
-    names = list(_PART_TYPES[kind])
-    if fmt == "arrow":  # every part of a run's kind in one format: one columnar read
-        import pyarrow as pa
-
-        schema = _part_schema(_PART_TYPES[kind])
-        columns: list[Any] = [[variant] * len(rows), [repeat] * len(rows)]
-        if rows:
-            columns += [list(values) for values in zip(*rows, strict=True)]
-        else:  # no samples or no events: a batch of no rows
-            columns += [[] for _ in range(len(schema) - 2)]
-        try:
-            batch = _arrow_batch(schema, columns)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
-            batch = None
+    batch = _arrow_rows(kind, variant, repeat, rows) if fmt == "arrow" else None
+    suffix = ARROW_PART if batch is not None else ".jsonl"
+    with (parts / _part_name(variant, repeat, kind, suffix)).open("wb") as fh:
         if batch is not None:
-            path = parts / _part_name(variant, repeat, kind, ARROW_PART)
-            with path.open("wb") as fh:
-                with pa.ipc.new_stream(fh, schema) as writer:
-                    writer.write_batch(batch)
-                fh.flush()
-                os.fsync(fh.fileno())
-            return
-    path = parts / _part_name(variant, repeat, kind)
-    with path.open("w", encoding="utf-8") as fh:
-        for values in rows:
-            row = dict(zip(names, (variant, repeat, *values), strict=True))
-            fh.write(json.dumps(row, allow_nan=True) + "\n")
+            import pyarrow as pa
+
+            with pa.ipc.new_stream(fh, batch.schema) as writer:
+                writer.write_batch(batch)
+        else:
+            names = list(_PART_TYPES[kind])
+            for values in rows:
+                row = dict(zip(names, (variant, repeat, *values), strict=True))
+                fh.write(json.dumps(row, allow_nan=True).encode() + b"\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _arrow_rows(
+    kind: str, variant: str, repeat: int, rows: list[tuple[Any, ...]]
+) -> pa.RecordBatch | None:
+    """`rows` (after `variant` and `repeat`) as a batch of `kind`'s part schema, or None
+    where a value does not fit its column's type."""
+    import pyarrow as pa
+
+    schema = _part_schema(_PART_TYPES[kind])
+    columns: list[Any] = [[variant] * len(rows), [repeat] * len(rows)]
+    columns += [[row[i] for row in rows] for i in range(len(schema) - 2)]
+    try:
+        return _arrow_batch(schema, columns)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+        return None
 
 
 # what `_read_parts` gives: one table of every part, or a dict per line of JSONL parts
