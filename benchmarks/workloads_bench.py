@@ -108,6 +108,14 @@ CASES = {
         "(`btb-lab trace convert`)", "bursted_art_19w.parquet", "bursted-art", 256, 65536,
         windows=19,
     ),
+    # The same windows in the Mooncake format, one after another, their ids counting up
+    # in order of first appearance as Mooncake's own traces number blocks: integer ids
+    # that Python hashes to themselves, the compiled cache's worst case before its
+    # tables spread consecutive hashes (2026-12-06).
+    "mooncake_19w": Case(
+        "mooncake_19w", "seed_bursty_19w's windows as a Mooncake trace (ids counting up, "
+        "windows 60 s apart)", "mooncake_19w.jsonl", "mooncake", 256, 65536, windows=19,
+    ),
     # A diagnostic, not a workload: seed_bursty's requests in 32,768-token blocks (3 a
     # request instead of 257); its in-loop rate against seed_bursty's is how much of the
     # engine's time goes to per-block work, the ceiling of a cache that works per run.
@@ -177,6 +185,11 @@ def prepare(case: Case, work: Path, traces: Path) -> Path:
                  "-p", "session_rate_per_s=0.5", "-p", "turns_mean=6", "-p", "max_turns=20",
                  "-p", "think_time_s_mean=20", "-p", "first_turn_tokens_median=32000",
                  "-p", "growth_tokens_median=2000", "-o", str(trace))  # fmt: skip
+        elif case.name == "mooncake_19w":
+            source = work / CASES["seed_bursty_19w"].trace
+            if not source.is_file():
+                prepare(CASES["seed_bursty_19w"], work, traces)
+            _write_counting_mooncake(source, trace)
         elif case.name == "mooncake":
             trace.write_bytes((traces / "mooncake_conversation.jsonl").read_bytes())
         else:
@@ -207,6 +220,24 @@ def _drop_turns(path: Path) -> None:
             row["metadata"].pop("turn", None)
             handle.write(json.dumps(row, separators=(",", ":")) + "\n")
     tmp.replace(path)
+
+
+def _write_counting_mooncake(source: Path, path: Path, gap_s: float = 60.0) -> None:
+    """`source`'s rows as Mooncake rows: each window (trace_id) `gap_s` after the last
+    arrival before it, each distinct id numbered in order of first appearance."""
+    ids: dict[str, int] = {}
+    window, offset_s, base_s, last_s = None, 0.0, 0.0, 0.0
+    with source.open(encoding="utf-8") as rows, path.open("w", encoding="utf-8") as handle:
+        for line in rows:
+            row = json.loads(line)
+            if row["trace_id"] != window:
+                window, offset_s, base_s = row["trace_id"], last_s + gap_s, row["arrival_s"]
+            t_s = offset_s + row["arrival_s"] - base_s
+            last_s = max(last_s, t_s)
+            out = {"timestamp": round(t_s * 1000.0, 3), "input_length": row["input_length"],
+                   "output_length": row["output_length"],
+                   "hash_ids": [ids.setdefault(h, len(ids)) for h in row["hash_ids"]]}  # fmt: skip
+            handle.write(json.dumps(out) + "\n")
 
 
 def _write_short(path: Path, n: int = 20_000) -> None:

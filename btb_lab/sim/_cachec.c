@@ -80,9 +80,18 @@ static void table_free(Table *t) {
     t->slot = NULL;
 }
 
+/* The slot a hash probes first. Python hashes an int to its value, and a trace's integer
+ * ids (Mooncake's) count up, so `hash & mask` would lay the live blocks out as long runs
+ * of full slots: every deletion then shifts back a whole run, every probe into one walks
+ * to its end. Fibonacci hashing spreads consecutive hashes over the table. */
+static inline size_t home_slot(Py_hash_t hash, size_t mask) {
+    uint64_t x = (uint64_t)hash * 0x9E3779B97F4A7C15ULL;
+    return (size_t)(x ^ (x >> 32)) & mask;
+}
+
 /* The entry of `key` (hash `hash`), or NONE_I; -2 with an exception set. */
 static inline int32_t table_find(Table *t, PyObject *key, Py_hash_t hash) {
-    size_t k = (size_t)hash & t->mask;
+    size_t k = home_slot(hash, t->mask);
     for (;;) {
         int32_t i = t->slot[k];
         if (i == NONE_I) return NONE_I;
@@ -108,7 +117,7 @@ static int table_grow_slots(Table *t) {
     size_t mask = size - 1;
     for (int32_t i = 0; i < t->n_alloc; i++) {
         if (!t->e[i].key) continue;
-        size_t k = (size_t)t->e[i].hash & mask;
+        size_t k = home_slot(t->e[i].hash, mask);
         while (slot[k] != NONE_I) k = (k + 1) & mask;
         slot[k] = i;
     }
@@ -149,7 +158,7 @@ static int32_t table_get(Table *t, PyObject *key, Py_hash_t hash) {
     e->pins = 0;
     e->flags = 0;
     e->pending_s = 0.0;
-    size_t k = (size_t)hash & t->mask;
+    size_t k = home_slot(hash, t->mask);
     while (t->slot[k] != NONE_I) k = (k + 1) & t->mask;
     t->slot[k] = i;
     t->n_live++;
@@ -161,14 +170,14 @@ static void table_release(Table *t, int32_t i) {
     Entry *e = &t->e[i];
     if (e->flags || e->pins) return;
     size_t mask = t->mask;
-    size_t k = (size_t)e->hash & mask;
+    size_t k = home_slot(e->hash, mask);
     while (t->slot[k] != i) k = (k + 1) & mask;
     size_t hole = k;
     for (;;) {
         k = (k + 1) & mask;
         int32_t j = t->slot[k];
         if (j == NONE_I) break;
-        size_t home = (size_t)t->e[j].hash & mask;
+        size_t home = home_slot(t->e[j].hash, mask);
         /* move j back into the hole unless its home lies cyclically in (hole, k] */
         int in_between = hole <= k ? (home > hole && home <= k) : (home > hole || home <= k);
         if (!in_between) {
