@@ -260,6 +260,7 @@ def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
         return fast
     last_ms = -math.inf
     interner = BlockIdInterner()
+    stem = path.stem  # a property that splits the name: once per file, not per row
 
     def parse(line_no: int, row: dict[str, Any]) -> Request:
         nonlocal last_ms
@@ -271,7 +272,7 @@ def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
             raise BadRow("timestamp", f"{timestamp_ms:g} is earlier than the previous row's")
         last_ms = timestamp_ms
         return Request(
-            request_id=f"{path.stem}-{line_no}",
+            request_id=f"{stem}-{line_no}",
             arrival_s=timestamp_ms / 1000.0,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
@@ -289,6 +290,7 @@ def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]
     out: list[Request] = []
     last_ms = -math.inf
     interned: dict[int, int] = {}  # block id -> its one object in the file
+    stem = path.stem
     for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp")
         inputs = col.required_lengths(batch, "input_length")
@@ -303,7 +305,7 @@ def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]
             line_no += 1
             out.append(
                 Request(
-                    request_id=f"{path.stem}-{line_no}",
+                    request_id=f"{stem}-{line_no}",
                     arrival_s=timestamp_ms / 1000.0,
                     input_tokens=input_tokens,
                     output_tokens=output_tokens,
