@@ -32,9 +32,13 @@ def main() -> None:
     assert rest[0] == "--", sys.argv
     args = rest[1:]
     written = [0]
+    replace_file = os.replace  # before the patch below
 
     def stop() -> None:
-        marker.write_text(str(written[0]), encoding="utf-8")
+        # whole or not at all: the test reads the count as soon as the marker exists
+        tmp = marker.with_name(marker.name + ".part")
+        tmp.write_text(str(written[0]), encoding="utf-8")
+        replace_file(tmp, marker)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # a signal ends this wait (KeyboardInterrupt)
             if go is not None and go.exists():

@@ -50,7 +50,7 @@ def stop_at(point: str, sig: signal.Signals, *args: str | Path, tmp_path: Path):
             raise AssertionError(f"exited {proc.returncode} before {point}:\n{out}\n{err}")
         assert time.monotonic() < deadline, f"never reached {point}"
         time.sleep(0.02)
-    written = int(marker.read_text() or 0)
+    written = int(marker.read_text())  # written whole (the harness renames it into place)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     return proc.returncode, out + err, written
