@@ -30,6 +30,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "prefix_cache_budget": "whole",
             "output_blocks_cached": True,
             "decode_steps": "output_tokens",
+            "prompt_cache_hit": "whole_prompt",
             "router_view": "resident",
             "router_match_tiers": "hbm_ram",
             "warm_copy_blocks_target": True,

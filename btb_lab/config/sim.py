@@ -105,6 +105,14 @@ class SimSettings(StrictModel):
         "produced the first token (vLLM), or output_tokens starting from context = input "
         "(the seed simulator: a 1-token request still runs one decode step).",
     )
+    prompt_cache_hit: Literal["full_blocks", "whole_prompt"] = Field(
+        "full_blocks",
+        description="What a prefix-cache hit spares a prefill: whole blocks only, and the "
+        "last prompt token is always computed for its logits (vLLM: a fully cached prompt "
+        "still computes one token, so a first token is never free), or every matched "
+        "block up to the whole prompt, a partly filled last block included (the seed "
+        "simulator).",
+    )
     router_match_tiers: Literal["hbm", "hbm_ram"] = Field(
         "hbm",
         description="With router_view: resident, which tiers a cache-aware router's match "

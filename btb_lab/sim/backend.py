@@ -34,7 +34,7 @@ __all__ = [
     "simulate",
 ]
 
-ENGINE_VERSION = "2"  # 2: kv_prefix_sharing (on by default) changes the numbers
+ENGINE_VERSION = "3"  # 2: kv_prefix_sharing on by default; 3: prompt_cache_hit full_blocks
 _WRITE_BATCH = 4096
 
 
@@ -101,6 +101,12 @@ def fidelity_facts(
                 "output_tokens from context = input (a 1-token request decodes once)"
                 if settings.decode_steps == "output_tokens"
                 else "output_tokens - 1 after the prefill's first token"
+            ),
+            "prompt_hits": (
+                "every matched block, up to the whole prompt (a repeated prompt's first "
+                "token is free)"
+                if settings.prompt_cache_hit == "whole_prompt"
+                else "whole blocks, short of the last prompt token (computed for its logits)"
             ),
             "window_replay": (
                 "each trace window on a fresh, empty cluster, results pooled"

@@ -133,6 +133,7 @@ class Scheduler:
         self.seed_decode = settings.decode_steps == "output_tokens"
         self.batch_admit = settings.admission == "all_that_fit"
         self.output_blocks = settings.output_blocks_cached
+        self.hit_whole = settings.prompt_cache_hit == "whole_prompt"
         self.copy_blocks = settings.warm_copy_blocks_target
         # step_model mixed (steps.py) starts prefills in batches: _start_prefill only books
         self.mixed = settings.step_model == "mixed"
@@ -226,6 +227,13 @@ class Scheduler:
         elif isinstance(job, KVJob) and (job.cold or not self.reusable):
             return need
         return need - inst.cache.lead_pinned(job.hashes) * self.block_tokens
+
+    def _hit_cap(self, job: Job, tokens: int) -> int:
+        """Prompt tokens a cache hit may spare `job` (`sim.prompt_cache_hit`): vLLM's hits are
+        whole blocks short of the last prompt token (its logits); a warm prefill makes none."""
+        if self.hit_whole or isinstance(job, WarmJob):
+            return tokens
+        return (tokens - 1) // self.block_tokens * self.block_tokens
 
     def _admit_all(self, inst: InstanceState) -> None:
         """admission all_that_fit: admit every waiting job that fits, in order, stopping at
@@ -372,40 +380,35 @@ class Scheduler:
         tokens = job.tokens if isinstance(job, WarmJob) else job.req.input_tokens
         p_tok = inst.p_tok_s
         costs = inst.prefill_costs  # None: the roofline, (tokens - cached) × p_tok
-        cached = 0
-        load_s = 0.0
+
+        def compute_s(hit: int) -> float:  # the prefill after `hit` cached tokens
+            return (tokens - hit) * p_tok if costs is None else costs.prefill_s(tokens - hit, hit)
+
+        cap = self._hit_cap(job, tokens)
+        cached, load_s = 0, 0.0
         tier: str | None = None
         n_use = 0
         cache = inst.cache
         if hashes and not (isinstance(job, PrefillJob) and job.cold):
             n_hbm_lead, n, n_ram, n_disk, m, ready = cache.locate(hashes, now)
             # best of: HBM-only lead, or the whole run loaded from lower tiers
-            c_lead = min(n_hbm_lead * bt, tokens)
-            if costs is None:
-                best = (tokens - c_lead) * p_tok
-            else:
-                best = costs.prefill_s(tokens - c_lead, c_lead)
+            c_lead = min(n_hbm_lead * bt, cap)
+            best = compute_s(c_lead)
             n_use, cached, load_s = n_hbm_lead, c_lead, 0.0
             tier = "hbm" if c_lead else None
             if n > n_hbm_lead:
-                c_all = min(n * bt, tokens)
+                c_all = min(n * bt, cap)
                 ld = (n_ram * inst.ram_tok_s + n_disk * inst.disk_tok_s) * bt
-                if costs is None:
-                    cost = ld + (tokens - c_all) * p_tok
-                else:
-                    cost = ld + costs.prefill_s(tokens - c_all, c_all)
+                cost = ld + compute_s(c_all)
                 if cost < best:
                     best = cost
                     n_use, cached, load_s = n, c_all, ld
                     tier = "disk" if n_disk else "ram"
             # a warm copy in flight to this instance may beat recomputing: wait for it (once)
             if m > n and not isinstance(job, WarmJob) and not job.parked:
-                c_wait = min(m * bt, tokens)
+                c_wait = min(m * bt, cap)
                 ld = (n_ram * inst.ram_tok_s + n_disk * inst.disk_tok_s) * bt
-                if costs is None:
-                    wait_cost = (ready - now) + ld + (tokens - c_wait) * p_tok
-                else:
-                    wait_cost = (ready - now) + ld + costs.prefill_s(tokens - c_wait, c_wait)
+                wait_cost = (ready - now) + ld + compute_s(c_wait)
                 if wait_cost < best:
                     job.parked = True
                     job.park_s = now
@@ -423,10 +426,7 @@ class Scheduler:
                     cache.touch(hashes, n_use)
                 elif n_use > n_hbm_lead:
                     cache.promote(hashes, n_hbm_lead, n_use)
-        if costs is None:
-            prefill_s = (tokens - cached) * p_tok
-        else:
-            prefill_s = costs.prefill_s(tokens - cached, cached)
+        prefill_s = compute_s(cached)
         dur = load_s + prefill_s
         done = now + dur
         if self.defer_prefill:

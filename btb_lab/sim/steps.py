@@ -116,7 +116,9 @@ class MixedSteps(CacheActions):
         leading blocks resident in HBM (a cold prefill reuses none)."""
         tokens = job.tokens if isinstance(job, WarmJob) else job.req.input_tokens
         if job.hashes and not (isinstance(job, PrefillJob) and job.cold):
-            tokens -= min(inst.cache.lead(job.hashes) * self.block_tokens, tokens)
+            tokens -= min(
+                inst.cache.lead(job.hashes) * self.block_tokens, self._hit_cap(job, tokens)
+            )
         return tokens
 
     def _step_mixed(self, inst: InstanceState) -> None:

@@ -75,6 +75,11 @@ ABLATIONS: dict[str, list[AblationStep]] = {
             {"sim.decode_steps": "after_first_token"},
         ),
         AblationStep(
+            "last prompt token computed",
+            "a cache hit spares whole blocks short of the prompt's last token (vLLM)",
+            {"sim.prompt_cache_hit": "full_blocks"},
+        ),
+        AblationStep(
             "output KV not cached",
             "no output blocks enter the prefix cache",
             {"sim.output_blocks_cached": False},

@@ -78,7 +78,7 @@ def test_prefix_cache_budget(budget: str, cached: int) -> None:
     ]
     recs, _ = run(
         reqs, Scripted({}), [small_node(0, 2048)], prefix_cache_budget=budget,
-        host_ram_tier=False, kv_prefix_sharing=False,
+        host_ram_tier=False, kv_prefix_sharing=False, prompt_cache_hit="whole_prompt",
     )  # fmt: skip
     assert recs["c"].cached_tokens == cached
     assert recs["c"].queue_s > 0  # it waited for B's memory
@@ -107,7 +107,7 @@ def test_output_blocks_take_cache_space() -> None:
     seed, _ = run(reqs, Scripted({}), [small_node(0, 1025)], prefix_cache_budget="whole",
                   host_ram_tier=False, kv_prefix_sharing=False,
                   output_blocks_cached=True, kv_visibility="at_admission")  # fmt: skip
-    assert plain["b"].cached_tokens == 1024
+    assert plain["b"].cached_tokens == 512  # its last block computed again (vLLM)
     assert seed["b"].cached_tokens == 0
 
 
@@ -186,7 +186,7 @@ def test_unbounded_host_ram() -> None:
 
 
 # -- window_replay -------------------------------------------------------------------------
-@pytest.mark.parametrize(("replay", "cached"), [("continuous", 1024), ("fresh", 0)])
+@pytest.mark.parametrize(("replay", "cached"), [("continuous", 512), ("fresh", 0)])
 def test_window_replay(replay: str, cached: int) -> None:
     """Two windows with the same prompt: on one cluster the second hits the first's
     cache; on a fresh cluster per window it starts cold."""

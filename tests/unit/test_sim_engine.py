@@ -474,3 +474,31 @@ def test_shared_prefix_attention_needs_prefix_sharing() -> None:
     with pytest.raises(ValueError, match=r"needs sim\.kv_prefix_sharing"):
         SimSettings(shared_prefix_attention=True, kv_prefix_sharing=False)
     assert SimSettings().shared_prefix_attention is False
+
+
+@pytest.mark.parametrize(
+    ("input_tokens", "hit", "cached"),
+    [
+        (1024, "full_blocks", 512),  # a whole-block prompt: its last block holds the last token
+        (600, "full_blocks", 512),  # a partly filled last block is never a hit
+        (513, "full_blocks", 512),
+        (512, "full_blocks", 0),  # one block: nothing to spare but the recomputed token
+        (1024, "whole_prompt", 1024),  # the seed simulator: a first token for free
+        (600, "whole_prompt", 600),
+    ],
+)
+@pytest.mark.parametrize("step_model", ["serial", "mixed"])
+def test_a_repeated_prompt_computes_its_last_token(
+    input_tokens: int, hit: str, cached: int, step_model: str
+) -> None:
+    """The same prompt twice on one instance: vLLM's hit is whole blocks short of the last
+    prompt token, so the second prefill still runs (`prompt_cache_hit: full_blocks`); the
+    seed simulator's rule spares all of it."""
+    blocks = tuple(range(-(-input_tokens // 512)))
+    reqs = [Request(rid, t, input_tokens, 2, blocks, 512) for rid, t in (("a", 0.0), ("b", 5.0))]
+    recs, _ = run(reqs, Scripted({}), prompt_cache_hit=hit, step_model=step_model)
+    second = recs["b"]
+    assert second.cached_tokens == cached
+    assert second.prefill_s == pytest.approx((input_tokens - cached) * P_TOK)
+    assert second.first_token_s - second.arrival_s == pytest.approx((input_tokens - cached) * P_TOK)
+    assert recs["a"].cached_tokens == 0

@@ -32,18 +32,20 @@ def test_turn1_placement_by_sessions_not_by_ongoing_tokens(policy: str, b_instan
     assert recs["a1"].finish_s < 10.0
     assert recs["b1"].instance == b_instance
     assert recs["a2"].instance == "C0"  # sticky either way
-    assert recs["a2"].cached_tokens == HEAVY_BLOCKS * 512
+    # a fully cached prompt still computes its last block (the last token's logits)
+    assert recs["a2"].cached_tokens == (HEAVY_BLOCKS - 1) * 512
     cold = HEAVY_BLOCKS * 512 * P_TOK
+    last_block = 512 * P_TOK
     b_ttft = recs["b1"].first_token_s - recs["b1"].sent_s  # type: ignore[operator]
     a2_ttft = recs["a2"].first_token_s - recs["a2"].sent_s  # type: ignore[operator]
     assert b_ttft == pytest.approx(cold, rel=1e-9)  # B arrives first: it prefills at once
     if b_instance == "C1":
-        # A's fully cached turn has nothing to prefill on its own instance
-        assert a2_ttft == pytest.approx(0.0, abs=1e-12)
+        # A's cached turn computes only its last block on its own instance
+        assert a2_ttft == pytest.approx(last_block, rel=1e-9)
     else:
-        # it waits for B's whole cold prefill on C0, then has nothing to compute
+        # it waits for B's whole cold prefill on C0, then computes its last block
         assert recs["a2"].queue_s == pytest.approx(cold, rel=1e-9)
-        assert a2_ttft == pytest.approx(cold, rel=1e-9)
+        assert a2_ttft == pytest.approx(cold + last_block, rel=1e-9)
 
 
 @pytest.mark.parametrize(
