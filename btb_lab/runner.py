@@ -149,6 +149,7 @@ class RunPlan:
     seed: int
     requests_per_run: int | None
     instances: list[str]
+    notes: list[str] = field(default_factory=list)  # `workload_notes` of the first repeat
 
     def describe(self) -> list[str]:
         h = self.hypothesis
@@ -160,6 +161,7 @@ class RunPlan:
                 f"workload: {self.requests_per_run if self.requests_per_run is not None else '?'} "
                 f"requests per run, time_scale {h.workload.time_scale:g}"
             ),
+            *(f"note: {note}" for note in self.notes),
             f"repeats: {self.repeats_text()}, master seed {self.seed}",
             f"variants ({len(self.variants)}; baseline {h.baseline}):",
         ]
@@ -264,6 +266,26 @@ def _load_requests(
         )
 
 
+def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
+    """What the first repeat's workload left out of its input, said once on the terminal
+    and in the manifest and report: malformed rows skipped, fewer requests than asked."""
+    notes = []
+    skipped = getattr(requests, "skipped", [])
+    if skipped and hyp.workload.trace is not None:
+        more = f" (and {len(skipped) - 1:,} more)" if len(skipped) > 1 else ""
+        notes.append(
+            f"{hyp.workload.trace.path}: {len(skipped):,} malformed rows skipped "
+            f"(skip_bad_rows), first: {skipped[0]}{more}"
+        )
+    asked = hyp.workload.requests
+    if asked is not None and len(requests) < asked:
+        notes.append(
+            f"workload.requests is {asked:,} but the workload has {len(requests):,}: "
+            f"all {len(requests):,} replayed"
+        )
+    return notes
+
+
 def _versions() -> dict[str, str]:
     out = {"btb-lab": __version__, "python": platform.python_version()}
     for pkg in _KEY_PACKAGES:
@@ -366,8 +388,9 @@ def run_hypothesis(path: Path, options: RunOptions) -> RunOutcome:
     plan = plan_run(path, options)
     first_seed = derive_seed(plan.seed, "workload", 0)
     if options.dry_run:
-        if plan.requests_per_run is None:
-            plan.requests_per_run = len(_load_requests(plan.loaded, first_seed))
+        requests = _load_requests(plan.loaded, first_seed)
+        plan.requests_per_run = len(requests)
+        plan.notes = workload_notes(plan.hypothesis, requests)
         return RunOutcome(run_dir=Path(), verdict=None, summary=None, plan=plan)
     # a child imports matplotlib on the second core while this process loads and
     # simulates, and draws the report's plots (`report.forked`)
@@ -394,6 +417,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     if workloads is None and several and hyp.workload.trace is not None:
         workloads = WorkloadCache()
     first_requests = _load_requests(loaded, first_seed, workloads)
+    plan.notes = workload_notes(hyp, first_requests)
     versions = _versions()
     if plan.backend == "sim":
         _check_sim_sampling(loaded, worlds, first_requests)
@@ -501,6 +525,7 @@ def _new_manifest(
         repeats=plan.repeats,
         master_seed=plan.seed,
         requests_per_run=requests_per_run,
+        notes=plan.notes,
         runs_planned=len(plan.variants) * plan.repeats,
         versions=versions,
         git=_git_commit(loaded.base_dir),

@@ -439,6 +439,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         "fidelity": [f"{k}={v}" for k, v in fidelity.items()],
         "calibration": calibration_text(summary.fidelity),
         "aliases": manifest.aliases,
+        "notes": manifest.notes,
         "per_variant_fidelity": [
             f"{name}: " + ", ".join(f"{k}={v}" for k, v in diff.items())
             for name, diff in per_variant_fidelity.items()

@@ -78,6 +78,11 @@ class Manifest(_Stored):
     repeats: int
     master_seed: int
     requests_per_run: int | None = None
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What the run left out of or changed in its input (malformed trace rows "
+        "skipped, fewer requests than asked), said in the report and on the terminal.",
+    )
     runs_planned: int
     runs: list[RunEntry] = Field(default_factory=list)
     fidelity: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -1,0 +1,92 @@
+"""What a run leaves out of its input is said: malformed rows skipped under
+`skip_bad_rows`, and a workload shorter than `workload.requests` asked, on the terminal
+(stderr), in the manifest and in the report, and in `--dry-run`'s plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.helpers import cli
+
+HYPOTHESIS = """\
+id: NOTES
+title: notes
+claim: a run says what it left out
+backend: sim
+model: llama-3.3-70b
+cluster:
+  instances:
+    - {role: C, count: 2, gpu: H100, gpus: 4}
+workload:
+  trace: {path: t.jsonl, format: mooncake, skip_bad_rows: true}
+  block_tokens: 512
+variants:
+  least_load:
+    router: {policy: least_load}
+  cache_aware:
+    router: {policy: cache_aware}
+baseline: least_load
+repeats: 1
+seed: 1
+verdict:
+  metric: ttft_p90
+  direction: decrease
+  min_effect: 0.05
+"""
+
+
+def _write(folder: Path) -> Path:
+    rows = [
+        json.dumps({"timestamp": 10 * i, "input_length": 600, "output_length": 10,
+                    "hash_ids": [i, i + 1000]})
+        for i in range(1, 26)
+    ]  # fmt: skip
+    rows[3:3] = ["garbage", json.dumps({"timestamp": 35, "input_length": 600,
+                                        "output_length": 10, "hash_ids": "x"})]  # fmt: skip
+    (folder / "t.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    path = folder / "h.yaml"
+    path.write_text(HYPOTHESIS, encoding="utf-8")
+    return path
+
+
+def test_skipped_rows_and_a_short_workload_are_said_everywhere(tmp_path: Path) -> None:
+    hyp = _write(tmp_path)
+    result = cli("run", hyp, "--out", tmp_path / "run", "--requests", "40", "--no-progress")
+    assert result.code == 0, result.output
+    skipped = "t.jsonl: 2 malformed rows skipped (skip_bad_rows), first: "
+    short = "workload.requests is 40 but the workload has 25: all 25 replayed"
+    assert f"note: {skipped}" in result.err
+    assert f"{tmp_path / 't.jsonl'}:4:" in result.err  # the first one, where it is
+    assert "(and 1 more)" in result.err
+    assert f"note: {short}" in result.err
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text(encoding="utf-8"))
+    assert len(manifest["notes"]) == 2
+    assert manifest["notes"][0].startswith(skipped)
+    assert manifest["notes"][1] == short
+    report = (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
+    assert f"- Note: {short}" in report
+    assert f"- Note: {skipped}" in report
+
+
+def test_dry_run_counts_the_requests_it_would_replay(tmp_path: Path) -> None:
+    hyp = _write(tmp_path)
+    result = cli("run", hyp, "--dry-run", "--requests", "1000")
+    assert result.code == 0, result.output
+    assert "workload: 25 requests per run" in result.out
+    assert "note: workload.requests is 1,000 but the workload has 25" in result.out
+
+
+def test_a_clean_run_has_no_notes(tmp_path: Path) -> None:
+    hyp = _write(tmp_path)
+    (tmp_path / "t.jsonl").write_text(
+        "".join(line + "\n" for line in (tmp_path / "t.jsonl").read_text().splitlines()
+                if line.startswith("{") and '"x"' not in line),
+        encoding="utf-8",
+    )  # fmt: skip
+    result = cli("run", hyp, "--out", tmp_path / "run", "--no-progress")
+    assert result.code == 0, result.output
+    assert "note:" not in result.output
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["notes"] == []
+    assert "Note:" not in (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
