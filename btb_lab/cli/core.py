@@ -203,6 +203,8 @@ def register(app: typer.Typer) -> None:
             typer.echo("\n".join(outcome.plan.describe()))
             return
         assert outcome.summary is not None
+        for note in outcome.plan.notes if outcome.plan is not None else []:
+            typer.echo(f"note: {note}", err=True)
         _print_summary(outcome.summary)
         typer.echo(f"report: {outcome.run_dir / 'report.md'}")
 
@@ -327,12 +329,12 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from btb_lab.report.log import parse_log
+        from btb_lab.report.log import parse_log, read_log
 
         if not log.is_file():
             raise UserError(f"{log}: no such log file")
         table = Table("id", "title", "verdict", "run")
-        for entry in parse_log(log.read_text(encoding="utf-8")):
+        for entry in parse_log(read_log(log)):
             table.add_row(entry.hypothesis, entry.title, entry.verdict or "-",
                           entry.run or "(hand-written)")  # fmt: skip
         Console(width=160).print(table)

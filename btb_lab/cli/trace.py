@@ -44,17 +44,28 @@ SCALE_OPT = typer.Option(
 def _load(
     path: Path, fmt: str, block_tokens: int, skip_bad_rows: bool, time_scale: float
 ) -> tuple[str, LoadedTrace]:
+    """The trace with its format's name; a trace with no requests is refused as
+    auto-detection refuses it, whichever format was named (statistics of nothing would
+    only hide a wrong file or format)."""
     from btb_lab.workload.formats import detect_format, load_trace
     from btb_lab.workload.loader import apply_time_scale
+    from btb_lab.workload.trace_checks import check_block_tokens
 
     if not math.isfinite(time_scale) or time_scale <= 0:
         raise UserError(f"--time-scale must be a finite number > 0 (got {time_scale:g})")
+    check_block_tokens(block_tokens, "--block-tokens")
     name = detect_format(path) if fmt == "auto" else fmt
     loaded = load_trace(path, name, block_tokens=block_tokens, skip_bad_rows=skip_bad_rows)
     if loaded.bad_rows:
         typer.echo(f"skipped {len(loaded.bad_rows)} malformed rows:", err=True)
         for message in loaded.bad_rows[:10]:
             typer.echo(f"  {message}", err=True)
+    if not loaded.requests:
+        if loaded.bad_rows:
+            raise UserError(
+                f"{path}: trace has no requests ({len(loaded.bad_rows)} malformed rows skipped)"
+            )
+        raise UserError(f"{path}: trace file is empty")
     if time_scale != 1.0:
         loaded.requests = apply_time_scale(loaded.requests, time_scale)
     return name, loaded
@@ -87,8 +98,10 @@ def generate_cmd(
     block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash block."),
 ) -> None:
     from btb_lab.workload.generators import GenContext, generate
+    from btb_lab.workload.trace_checks import check_block_tokens
     from btb_lab.workload.writer import write_bursted_art
 
+    check_block_tokens(block_tokens, "--block-tokens")
     requests = generate(
         kind, _parse_params(param), GenContext(seed=seed, block_tokens=block_tokens)
     )
@@ -177,10 +190,12 @@ def audit_cmd(
         typer.echo(json.dumps({"file": str(path), "format": name} | audit.to_dict(), indent=2))
         return
     for label, result in (("deep", audit.deep), ("shallow", audit.shallow)):
+        # no group at all when no request has that many blocks (JSON keeps its null)
+        largest = result.largest_group or f"none (no request has ≥ {result.depth_blocks} blocks)"
         typer.echo(
             f"{label}: {result.depth_blocks} blocks / {result.window_s:g} s: "
             f"max fan-out {result.max_fanout}, events {result.events} "
-            f"(≥ {result.min_fanout} requests), largest {result.largest_group}"
+            f"(≥ {result.min_fanout} requests), largest {largest}"
         )
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     Field,
     ModelWrapValidatorHandler,
     PrivateAttr,
@@ -52,6 +53,7 @@ __all__ = [
     "RouterSpec",
     "SeedVerdict",
     "Variant",
+    "VariantName",
     "VerdictRule",
 ]
 
@@ -182,6 +184,29 @@ class Variant(StrictModel):
             data = dict(data)
             move_sim_aliases(data)
         return data
+
+
+def _selectable_variant_name(name: str) -> str:
+    """A variant name `--variants` (comma-separated, each name stripped) can select, and
+    that prints on one line in verdicts, tables and messages."""
+    if not name.strip():
+        raise ValueError("a variant name must not be empty")
+    if "," in name:
+        raise ValueError(
+            f"variant name {name!r} contains a comma, so `--variants` (comma-separated) "
+            "cannot select it; rename it"
+        )
+    if name != name.strip():
+        raise ValueError(
+            f"variant name {name!r} starts or ends with whitespace, which `--variants` "
+            "strips; rename it"
+        )
+    if not name.isprintable():
+        raise ValueError(f"variant name {name!r} contains a non-printing character; rename it")
+    return name
+
+
+VariantName = Annotated[str, AfterValidator(_selectable_variant_name)]
 
 
 Operator = Literal["<", "<=", ">", ">=", "==", "!="]
@@ -386,7 +411,11 @@ class Hypothesis(StrictModel):
     sim: SimSettings = Field(default_factory=SimSettings, description="Simulator fidelity.")
     workload: WorkloadSpec = Field(description="Requests to replay.")
     classes: list[ClassRule] = Field(default_factory=list, description="Ordered class rules.")
-    variants: dict[str, Variant] = Field(min_length=1, description="Name → variant.")
+    variants: dict[VariantName, Variant] = Field(
+        min_length=1,
+        description="Name → variant. A name is not empty and has no comma, no leading or "
+        "trailing whitespace and no non-printing character, so `--variants a,b` can select it.",
+    )
     baseline: str = Field(description="Name of the baseline variant.")
     repeats: int = Field(
         1,

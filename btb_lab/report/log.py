@@ -20,7 +20,7 @@ from btb_lab.errors import UserError
 from btb_lab.report.render import entry_context, render_template
 from btb_lab.results import write_atomic
 
-__all__ = ["LogEntry", "append_entry", "parse_log", "render_entry"]
+__all__ = ["LogEntry", "append_entry", "parse_log", "read_log", "render_entry"]
 
 _HEADER = (
     "# Hypothesis log\n\nVerdicts appended by `btb-lab log append`; text outside the tool's "
@@ -105,7 +105,10 @@ def render_entry(
     return hid, run_id, text
 
 
-def _read_log(log_path: Path) -> str:
+def read_log(log_path: Path) -> str:
+    """The log's text (a new log's header when there is none yet). A folder, a file that
+    is not UTF-8 text or one that cannot be read is a `UserError` naming the file, which
+    a bare `read_text` would leave to the CLI's generic "input is not UTF-8" line."""
     if log_path.is_dir():
         raise UserError(f"--log {log_path}: is a directory, not a log file")
     if not log_path.exists():
@@ -171,7 +174,7 @@ def _entry_spans(text: str, hid: str, run_id: str | None) -> list[tuple[int, int
 def _append_locked(
     log_path: Path, hid: str, run_id: str, entry: str, *, replace: bool = False
 ) -> None:
-    text = _read_log(log_path)
+    text = read_log(log_path)
     spans = _entry_spans(text, hid, run_id)
     if not spans and replace:
         spans = _entry_spans(text, hid, None)

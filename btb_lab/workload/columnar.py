@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from btb_lab.config.limits import MAX_TOKENS
 from btb_lab.workload.hashing import stable_hashes63
 
 __all__ = [
@@ -262,11 +263,16 @@ def required_times(batch: pa.RecordBatch, name: str) -> list[float]:
 
 
 def required_lengths(batch: pa.RecordBatch, name: str) -> list[int]:
-    """An integer column every row has, ≥ 0 (as `formats._length`)."""
+    """An integer column every row has, from 0 to MAX_TOKENS (as `formats._length`; one
+    vectorized min and max per column)."""
     array = batch.column(name)
     _no_nulls(array, name)
-    if len(array) and int(pc.min(array).as_py()) < 0:
-        raise Fallback(f"{name}: negative in some row")
+    if len(array):
+        bounds = pc.min_max(array)
+        if int(bounds["min"].as_py()) < 0:
+            raise Fallback(f"{name}: negative in some row")
+        if int(bounds["max"].as_py()) > MAX_TOKENS:
+            raise Fallback(f"{name}: more than MAX_TOKENS in some row")
     return array.to_pylist()
 
 

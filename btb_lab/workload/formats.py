@@ -22,6 +22,7 @@ from btb_lab.errors import UserError
 from btb_lab.records import Request
 from btb_lab.registry import Registry
 from btb_lab.workload.hashing import BlockIdInterner, block_id
+from btb_lab.workload.trace_checks import check_trace_input, token_count, unreadable_parquet
 
 __all__ = [
     "FORMATS",
@@ -103,8 +104,7 @@ def _parquet_rows(path: Path) -> list[dict[str, Any]]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a readable parquet file ({reason})") from None
+        raise unreadable_parquet(path, exc) from None
     return table.to_pylist()
 
 
@@ -123,7 +123,7 @@ def _length(row: dict[str, Any], name: str) -> int:
     if value < 0:
         raise BadRow(name, "must be ≥ 0")
     if value > MAX_TOKENS:
-        raise BadRow(name, f"{value:g} tokens is more than the limit of {MAX_TOKENS:,}")
+        raise BadRow(name, f"{token_count(value)} tokens is more than the limit of {MAX_TOKENS:,}")
     return int(value)
 
 
@@ -255,6 +255,7 @@ def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
 
     File order is arrival order, so a timestamp earlier than the previous row's is an error.
     """
+    check_trace_input(path, "mooncake", block_tokens)
     fast = _columnar(_columnar_mooncake, path, block_tokens)
     if fast is not None:
         return fast
@@ -342,6 +343,7 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
     requests, as a burst job's requests are all its turn 1); a `job_kind` there becomes
     the request's `job_kind`.
     """
+    check_trace_input(path, "bursted-art", block_tokens)
     fast = _columnar(_columnar_bursted_art, path, block_tokens)
     if fast is not None:
         return fast
@@ -461,6 +463,7 @@ def load_art_chat(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
     JSONL or parquet (by suffix). File order is arrival order; `system_prompt_hash`
     becomes the request's `group_id`.
     """
+    check_trace_input(path, "art-chat", block_tokens)
     fast = _columnar(_columnar_art_chat, path, block_tokens)
     if fast is not None:
         return fast

@@ -29,6 +29,7 @@ from btb_lab.errors import UserError
 from btb_lab.records import BURST_JOB_KINDS, Request
 from btb_lab.registry import Registry
 from btb_lab.workload.hashing import BlockIdAllocator
+from btb_lab.workload.trace_checks import check_block_tokens
 
 if TYPE_CHECKING:  # numpy loads with the first workload drawn, not at validate time
     import numpy as np
@@ -49,11 +50,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GenContext:
-    """What every generator gets besides its params."""
+    """What every generator gets besides its params (a block size below 1 token is
+    refused here: every generator divides prompts into blocks)."""
 
     seed: int
     block_tokens: int = 512
     base_dir: Path = Path(".")
+
+    def __post_init__(self) -> None:
+        check_block_tokens(self.block_tokens)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,16 @@ def _lognormal_ints(
     return np.clip(np.rint(values), lo, hi).astype(np.int64)
 
 
+# Longest suffix a generator draws after a shared prefix (the clip of its log-normal draw).
+SUFFIX_CAP_TOKENS = 1 << 20
+
+
+def _suffix_cap(prefix_tokens: int) -> int:
+    """The longest suffix after `prefix_tokens` that keeps a prompt within MAX_TOKENS (the
+    loaders refuse longer rows); the prefix fields stop at MAX_TOKENS - 1, so it is ≥ 1."""
+    return max(1, min(SUFFIX_CAP_TOKENS, MAX_TOKENS - prefix_tokens))
+
+
 def _prompt_blocks(
     shared: tuple[int, ...], input_tokens: int, block_tokens: int, ids: BlockIdAllocator
 ) -> tuple[int, ...]:
@@ -139,7 +154,11 @@ class BurstedParams(ParamsModel):
         "of the run (window by window) has burst_sizes[k mod len] requests.",
     )
     prefix_tokens: int = Field(
-        65536, ge=1, le=MAX_TOKENS, description="Prefix shared by a burst (P), tokens."
+        65536,
+        ge=1,
+        le=MAX_TOKENS - 1,
+        description="Prefix shared by a burst (P), tokens (a prompt is at most "
+        f"{MAX_TOKENS:,} tokens with its suffix).",
     )
     burst_spread_s: float = Field(
         8.0,
@@ -183,7 +202,10 @@ class BurstedParams(ParamsModel):
         description="Distinct short system prompts shared by background requests.",
     )
     background_prefix_tokens: int = Field(
-        2048, ge=0, le=MAX_TOKENS, description="Length of each background system prompt, tokens."
+        2048,
+        ge=0,
+        le=MAX_TOKENS - 1,
+        description="Length of each background system prompt, tokens.",
     )
     real_windows: int = Field(
         0, ge=0, le=MAX_REQUESTS, description="Plain windows cut from `real_trace` (source 'art')."
@@ -348,7 +370,7 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
             start_s = rng.uniform(0, p.window_s - p.burst_spread_s)
             arrivals = np.sort(start_s + rng.uniform(0, p.burst_spread_s, size))
             suffixes = _lognormal_ints(
-                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, size
+                rng, p.suffix_tokens_median, p.suffix_sigma, 1, _suffix_cap(p.prefix_tokens), size
             )
             outputs = _lognormal_ints(
                 rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, size
@@ -372,7 +394,12 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
             prefix = ids.take(p.prefix_tokens // bt)
             arrivals = np.sort(rng.uniform(0, p.window_s, p.decoy_repeats))
             suffixes = _lognormal_ints(
-                rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, p.decoy_repeats
+                rng,
+                p.suffix_tokens_median,
+                p.suffix_sigma,
+                1,
+                _suffix_cap(p.prefix_tokens),
+                p.decoy_repeats,
             )
             outputs = _lognormal_ints(
                 rng,
@@ -398,7 +425,14 @@ def generate_bursted(p: BurstedParams, ctx: GenContext) -> list[Request]:
                 )
         n_background = int(rng.poisson(p.background_rate_per_s * p.window_s))
         arrivals = np.sort(rng.uniform(0, p.window_s, n_background))
-        lengths = _lognormal_ints(rng, p.background_tokens_median, 0.8, 1, 1 << 20, n_background)
+        lengths = _lognormal_ints(
+            rng,
+            p.background_tokens_median,
+            0.8,
+            1,
+            _suffix_cap(p.background_prefix_tokens),
+            n_background,
+        )
         outputs = _lognormal_ints(
             rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, n_background
         )
@@ -591,7 +625,11 @@ class PoissonParams(ParamsModel):
     rate_per_s: float = Field(5.0, gt=0, description="Mean arrival rate, requests per second.")
     prefixes: int = Field(16, ge=1, le=MAX_REQUESTS, description="Distinct shared prefixes.")
     prefix_tokens: int = Field(
-        4096, ge=0, le=MAX_TOKENS, description="Length of each shared prefix, tokens."
+        4096,
+        ge=0,
+        le=MAX_TOKENS - 1,
+        description="Length of each shared prefix, tokens (a prompt is at most "
+        f"{MAX_TOKENS:,} tokens with its suffix).",
     )
     prefix_zipf: float = Field(
         1.1, ge=0, description="Zipf exponent of prefix popularity (0 = uniform)."
@@ -631,7 +669,9 @@ def _shared_prefix_requests(
     arrivals = np.concatenate([[0.0], np.cumsum(gaps_s[1:])])
     which = rng.choice(p.prefixes, size=p.requests, p=weights)
     shared = rng.random(p.requests) < p.shared_fraction
-    suffixes = _lognormal_ints(rng, p.suffix_tokens_median, p.suffix_sigma, 1, 1 << 20, p.requests)
+    suffixes = _lognormal_ints(
+        rng, p.suffix_tokens_median, p.suffix_sigma, 1, _suffix_cap(p.prefix_tokens), p.requests
+    )
     outputs = _lognormal_ints(
         rng, p.output_tokens_median, p.output_sigma, 1, p.max_output_tokens, p.requests
     )

@@ -29,6 +29,7 @@ from pydantic import Field, model_validator
 
 from btb_lab.config.base import ParamsModel
 from btb_lab.config.limits import MAX_REQUESTS, MAX_TOKENS
+from btb_lab.errors import UserError
 from btb_lab.records import Request
 from btb_lab.workload.generators import (
     GENERATORS,
@@ -80,6 +81,11 @@ class SeedBurstyParams(ParamsModel):
     def _bounded(self) -> SeedBurstyParams:
         per_window = self.bursts * self.burst_size + self.decoys
         check_request_count(self.windows * per_window, "windows × requests per window")
+        if self.prefix_tokens + self.suffix_tokens > MAX_TOKENS:
+            raise ValueError(
+                f"prefix_tokens + suffix_tokens is {self.prefix_tokens + self.suffix_tokens:,} "
+                f"tokens; a prompt is at most {MAX_TOKENS:,}"
+            )
         return self
 
 
@@ -100,6 +106,11 @@ def _window(
     prefix_blocks = math.ceil(p.prefix_tokens / bt)
     suffix_blocks = math.ceil(p.suffix_tokens / bt)
     input_tokens = (prefix_blocks + suffix_blocks) * bt
+    if input_tokens > MAX_TOKENS:  # whole blocks can round a prompt past the limit
+        raise UserError(
+            f"generator 'seed_bursty': prefix_tokens and suffix_tokens in whole blocks of {bt} "
+            f"tokens make {input_tokens:,}-token prompts, more than the limit of {MAX_TOKENS:,}"
+        )
     ids = BlockIdAllocator(f"seed_bursty:{ctx.seed}:{trace_id}")
     jobs: list[tuple[str, list[float]]] = []
     jitters = rng.uniform(-p.start_jitter_s, p.start_jitter_s, p.bursts)
