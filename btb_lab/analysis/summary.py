@@ -156,11 +156,26 @@ def read_stored_run(run_dir: Path, frames: StoredFrames | None = None) -> Stored
         return frame if frame is not None else read(run_dir, variants)
 
     all_records = classified(hypothesis, stored(given.requests, read_records))
+    if given.requests is None:
+        _check_records_kept(manifest, run_dir, variants, len(all_records))
     records, util, exclusion = apply_exclusion(
         all_records, stored(given.utilization, read_utilization), hypothesis.verdict.exclude
     )
     return StoredRun(run_dir, manifest, hypothesis, variants, records, util, exclusion,
                      all_records, stored(given.events, read_events))  # fmt: skip
+
+
+def _check_records_kept(manifest: Manifest, run_dir: Path, variants: list[str], n: int) -> None:
+    """A run read back must hold every record its manifest counts: with records lost
+    since (parts or parquet deleted, a disk restored from an old copy) its report would be
+    rewritten from what is left, so it is refused and the old report stays."""
+    counted = sum(r.records or 0 for r in manifest.runs if r.variant in variants)
+    if n < counted:
+        raise UserError(
+            f"{run_dir}: the manifest counts {counted:,} request records but {n:,} can be "
+            "read (requests.parquet or parts/ missing or cut short); report.md and "
+            "summary.json are left as they were"
+        )
 
 
 def analyze_run(run_dir: Path) -> AnalyzedRun:

@@ -139,6 +139,27 @@ def test_a_truncated_parquet_falls_back_to_the_parts(lab: Path) -> None:
     assert logged.code == 0, logged.output
 
 
+@pytest.mark.parametrize("lost", ["everything", "one part"])
+def test_records_lost_since_the_run_keep_the_report_as_it_was(lab: Path, lost: str) -> None:
+    """With the parquet gone and the parts deleted or one of them emptied, a re-render
+    would judge what is left (OK 0/0, INCONCLUSIVE): it is refused and nothing changes."""
+    run_dir = good_run(lab)
+    before = {name: (run_dir / name).read_bytes() for name in ("summary.json", "report.md")}
+    (run_dir / "requests.parquet").unlink()
+    parts = sorted((run_dir / "parts").glob("requests-*"))
+    if lost == "everything":
+        for part in parts:
+            part.unlink()
+    else:
+        parts[0].write_bytes(b"")
+    result = cli("report", run_dir)
+    assert result.code == 2, result.output
+    assert not result.traceback
+    assert "request records but" in result.err
+    assert "left as they were" in result.err
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
 # ----------------------------------------------------------------- (12) credentials
 
 
