@@ -130,8 +130,9 @@ def _grouped_metrics(
 
 # what a variant's summary reads of its records
 _SUMMARY_COLUMNS = [
-    "repeat", "ok", "class", "route", "source", "trace_id", "input_tokens", "cached_tokens",
-    "cache_tier", *dict.fromkeys(m.column for m in _LATENCY_METRICS if m.column is not None),
+    "repeat", "ok", "error", "class", "route", "source", "trace_id", "input_tokens",
+    "cached_tokens", "cache_tier",
+    *dict.fromkeys(m.column for m in _LATENCY_METRICS if m.column is not None),
 ]  # fmt: skip
 
 
@@ -161,5 +162,16 @@ def summarize_variants(
             cache=cache_stats(rows),
             gpu=gpu_stats(util_rows),
             repeats=sorted(int(r) for r in rows["repeat"].unique()) if len(rows) else [],
+            failures=_failures(rows),
         )
     return out
+
+
+def _failures(rows: pd.DataFrame, shown: int = 3) -> dict[str, int]:
+    """The most frequent errors of the failed requests (most first, ties by text): a
+    report says why requests failed, not only how many."""
+    if not len(rows) or bool(rows["ok"].all()):
+        return {}
+    errors = rows.loc[~rows["ok"].astype(bool), "error"].fillna("no error recorded").astype(str)
+    counts = sorted(errors.value_counts().items(), key=lambda item: (-item[1], item[0]))
+    return {str(error): int(n) for error, n in counts[:shown]}

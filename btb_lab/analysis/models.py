@@ -128,6 +128,15 @@ class VariantSummary(_Stored):
     gpu: GpuStats = Field(default_factory=GpuStats)
     repeats: list[int] = Field(default_factory=list)
     warm: WarmSpend = Field(default_factory=WarmSpend)
+    failures: dict[str, int] = Field(
+        default_factory=dict, description="The 3 most frequent errors of failed requests → count."
+    )
+
+    def failure_line(self) -> str:
+        """Why requests failed, for the report's Result block."""
+        more = self.all.n - self.all.ok - sum(self.failures.values())
+        shown = ", ".join(f'{n} × "{error}"' for error, n in self.failures.items())
+        return f"Failed: {shown}" + (f", {more} with other errors" if more > 0 else "")
 
     def value(self, metric: str, scope: str = "all") -> float | None:
         """One metric of this variant: request metrics overall, for a class or for a pool

@@ -57,9 +57,7 @@ def _num(value: float | None, digits: int) -> str:
 
 
 # the seed log's Result line: OK=198/200 TTFT50=1.075 TTFT90=9.384 TPOT90=0.0761 E2E50=5.075
-_RESULT_LINE_METRICS: tuple[tuple[str, int], ...] = (
-    ("ttft_p50", 3), ("ttft_p90", 3), ("tpot_p90", 4), ("e2e_p50", 3),
-)  # fmt: skip
+_RESULT_LINE_METRICS = (("ttft_p50", 3), ("ttft_p90", 3), ("tpot_p90", 4), ("e2e_p50", 3))
 
 
 def _metric_line(m: RequestMetrics, *, counts: bool = True) -> str:
@@ -78,6 +76,8 @@ def result_lines(summary: Summary, baseline: str) -> list[str]:
     for name, v in summary.variants.items():
         lines.append(f"[{name}{' (baseline)' if name == baseline else ''}]")
         lines.append(_metric_line(v.all))
+        if v.failures:
+            lines.append(v.failure_line())
         for cls, m in v.classes.items():
             lines.append(f"{cls}: {_metric_line(m, counts=False)}")
         if v.routes:

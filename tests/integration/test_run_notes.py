@@ -1,6 +1,7 @@
 """What a run leaves out of its input is said: malformed rows skipped under
 `skip_bad_rows`, and a workload shorter than `workload.requests` asked, on the terminal
-(stderr), in the manifest and in the report, and in `--dry-run`'s plan."""
+(stderr), in the manifest and in the report, and in `--dry-run`'s plan; and why requests
+failed, in the summary and the report."""
 
 from __future__ import annotations
 
@@ -90,3 +91,27 @@ def test_a_clean_run_has_no_notes(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["notes"] == []
     assert "Note:" not in (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
+
+
+def test_the_report_says_why_requests_failed(tmp_path: Path) -> None:
+    """Prompts larger than any instance's KV memory fail; the Result block names the
+    errors, most frequent first, and how many other errors there were."""
+    hyp = _write(tmp_path)
+    sizes = [1_000_000] * 5 + [2_000_000] * 3 + [3_000_000] * 2 + [4_000_000] + [600] * 9
+    (tmp_path / "t.jsonl").write_text(
+        "".join(json.dumps({"timestamp": 10 * i, "input_length": n, "output_length": 10,
+                            "hash_ids": [i]}) + "\n" for i, n in enumerate(sizes, 1)),
+        encoding="utf-8",
+    )  # fmt: skip
+    result = cli("run", hyp, "--out", tmp_path / "run", "--no-progress",
+                 "--set", "cluster.instances.0.count=1", "--variants", "least_load")  # fmt: skip
+    assert result.code == 0, result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(encoding="utf-8"))
+    failures = summary["variants"]["least_load"]["failures"]
+    assert list(failures.values()) == [5, 3, 2]  # the three most frequent, most first
+    assert all(e.startswith("needs ") and "KV tokens" in e for e in failures)
+    report = (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
+    (line,) = [x for x in report.splitlines() if x.startswith("Failed: ")]
+    assert line.startswith('Failed: 5 × "needs 1000010 KV tokens; C0 holds ')
+    assert line.endswith(", 1 with other errors")
+    assert "OK=9/20" in report
