@@ -26,7 +26,14 @@ from btb_lab.sweep.table import reduction_column
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["ABLATIONS", "AblationStep", "ablation_sweep", "run_ablation", "waterfall_table"]
+__all__ = [
+    "ABLATIONS",
+    "AblationStep",
+    "ablation_sweep",
+    "check_ablation",
+    "run_ablation",
+    "waterfall_table",
+]
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,7 @@ def ablation_sweep(
     table = spec.get("table", {})
     table.pop("reference", None)
     table.pop("rename", None)
+    table["reductions"] = True  # the headline is a reduction column
     return {
         "name": f"{loaded.spec.name}-ablation",
         "description": f"{loaded.spec.name}: the {profile} rules switched to btb-lab's causal "
@@ -178,13 +186,68 @@ def ablation_sweep(
 
 
 def headline_column(loaded: LoadedSweep, baseline: str) -> str:
-    """The headline the waterfall follows: the table's reference column's source (its
-    first reduction), else the first reduction of the first metric."""
+    """The headline the waterfall follows: the reduction of the first variant besides the
+    baseline (of `table.variants`, or of the base hypothesis when the sweep lists none, as
+    the table then shows every variant) in the first metric."""
     table = loaded.spec.table
-    variants = [v for v in (table.variants or []) if v != baseline]
+    if table.variants is None:
+        names = list(_variant_policies(loaded))
+        where = f"{loaded.base_path}: variants"
+    else:
+        names = list(table.variants)
+        where = f"{loaded.path}:{loaded.line('table', 'variants')}: table.variants"
+    variants = [v for v in names if v != baseline]
     if not variants:
-        raise UserError(f"{loaded.path}: table.variants must name a variant besides the baseline")
+        raise UserError(
+            f"{where}: the waterfall follows a variant's reduction against the baseline "
+            f"{baseline!r}; name a variant besides it"
+        )
     return reduction_column(variants[0], baseline, table.metrics[0])
+
+
+def check_ablation(loaded: LoadedSweep, profile: str) -> tuple[str, str]:
+    """Everything an ablation of `loaded` needs, checked before any point runs (each
+    problem at its line of the sweep file): the setups' one axis, no grid or points (the
+    ablation would drop them), a baseline among the table's variants and a headline.
+    Returns (headline column, setup axis)."""
+    from btb_lab.errors import ValidationFailed
+    from btb_lab.sweep.engine import _baseline_name
+
+    if profile not in ABLATIONS:
+        raise UserError(f"--from: {profile!r} has no ablation; choose: {', '.join(ABLATIONS)}")
+    spec, path = loaded.spec, loaded.path
+    problems: list[str] = []
+    if len(spec.axes) != 1:
+        has = f"has {len(spec.axes)}: {', '.join(spec.axes)}" if spec.axes else "has none"
+        problems.append(
+            f"{path}:{loaded.line('axes')}: axes: an ablation needs exactly one axis (its "
+            f"setups, the waterfall's rows); this sweep {has}"
+        )
+    for key, name in (("grid", "a grid"), ("points", "a points list")):
+        if getattr(spec, key):
+            problems.append(
+                f"{path}:{loaded.line(key)}: {key}: an ablation takes its setups from one "
+                f"axis and would drop {name}; make it the axis or top-level `overrides`"
+            )
+    if "step" in spec.axes:
+        problems.append(
+            f"{path}:{loaded.line('axes', 'step')}: axes.step: an axis named 'step' is the "
+            "ablation's own"
+        )
+    baseline = _baseline_name(loaded)
+    if spec.table.variants is not None and baseline not in spec.table.variants:
+        problems.append(
+            f"{path}:{loaded.line('table', 'variants')}: table.variants: the waterfall "
+            f"follows a reduction against the baseline {baseline!r}, which is not listed"
+        )
+    headline = ""
+    try:
+        headline = headline_column(loaded, baseline)
+    except UserError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ValidationFailed(problems)
+    return headline, next(iter(spec.axes))
 
 
 def waterfall_table(df: pd.DataFrame, column: str, labels: list[str], axis: str) -> pd.DataFrame:
@@ -238,10 +301,12 @@ def run_ablation(
     extra: Mapping[str, Any] | None = None,
     echo: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
-    """Write and run the ablation sweep, then the waterfall table and plot."""
-    from btb_lab.sweep.engine import _baseline_name, run_sweep
+    """Check the ablation (`check_ablation`), write and run its sweep, then the waterfall
+    table and plot."""
+    from btb_lab.sweep.engine import run_sweep
 
     loaded = load_sweep(sweep_file)
+    headline, axis = check_ablation(loaded, profile)
     doc = ablation_sweep(loaded, profile, extra)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "ablation.yaml"
@@ -255,12 +320,7 @@ def run_ablation(
     )
     if outcome.table is None:
         raise UserError(f"{out}: the ablation wrote no table")
-    baseline = _baseline_name(loaded)
-    headline = headline_column(loaded, baseline)
-    axes = list(loaded.spec.axes)
-    if len(axes) != 1:
-        raise UserError(f"{loaded.path}: an ablation needs exactly one axis (the setups)")
-    wide = waterfall_table(outcome.table, headline, step_labels(profile), axes[0])
+    wide = waterfall_table(outcome.table, headline, step_labels(profile), axis)
     outputs = dict(outcome.outputs)
     outputs["waterfall_csv"] = out / "waterfall.csv"
     wide.to_csv(outputs["waterfall_csv"])

@@ -16,7 +16,7 @@ from typing import Any
 
 from btb_lab.sweep.spec import SweepSpec
 
-__all__ = ["PointTask", "SweepPoint", "expand_points", "overrides_digest"]
+__all__ = ["PointTask", "SweepPoint", "duplicate_points", "expand_points", "overrides_digest"]
 
 
 @dataclass(frozen=True)
@@ -60,29 +60,71 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._]+", "-", text).strip("-")[:80] or "point"
 
 
-def expand_points(spec: SweepSpec) -> list[SweepPoint]:
-    """All points in a fixed order: listed points outermost, then axes, then grid paths,
-    each in file order. Later sources override earlier ones on the same path."""
-    listed: list[tuple[dict[str, str], dict[str, Any]]] = (
-        [({"point": p.label}, dict(p.overrides)) for p in spec.points]
+# where one component of a point was written: ("points", i), ("axes", name, choice) or
+# ("grid", path, i); a point's sources are one per component, in product order
+Source = tuple[str | int, ...]
+_Sourced = tuple[tuple[Source, ...], SweepPoint]
+
+
+def _expand(spec: SweepSpec) -> list[_Sourced]:
+    """Every point with the sources it was combined from (for `duplicate_points`)."""
+    listed: list[tuple[Source, dict[str, str], dict[str, Any]]] = (
+        [(("points", i), {"point": p.label}, dict(p.overrides)) for i, p in enumerate(spec.points)]
         if spec.points
-        else [({}, {})]
+        else [((), {}, {})]
     )
     axis_choices = [
-        [({name: label}, dict(ov)) for label, ov in choices.items()]
+        [(("axes", name, label), {name: label}, dict(ov)) for label, ov in choices.items()]
         for name, choices in spec.axes.items()
     ]
     grid_choices = [
-        [({path: _label(v)}, {path: v}) for v in values] for path, values in spec.grid.items()
+        [(("grid", path, i), {path: _label(v)}, {path: v}) for i, v in enumerate(values)]
+        for path, values in spec.grid.items()
     ]
-    points: list[SweepPoint] = []
+    out: list[_Sourced] = []
     for combo in itertools.product(listed, *axis_choices, *grid_choices):
         labels: dict[str, str] = {}
         overrides: dict[str, Any] = dict(spec.overrides)
-        for lab, ov in combo:
+        for _, lab, ov in combo:
             labels.update(lab)
             overrides.update(ov)
         stem = _slug("_".join(labels.values())) if labels else "base"
         point_id = f"{stem}-{overrides_digest(overrides)}"
-        points.append(SweepPoint(point_id=point_id, labels=labels, overrides=overrides))
-    return points
+        point = SweepPoint(point_id=point_id, labels=labels, overrides=overrides)
+        out.append((tuple(src for src, _, _ in combo), point))
+    return out
+
+
+def expand_points(spec: SweepSpec) -> list[SweepPoint]:
+    """All points in a fixed order: listed points outermost, then axes, then grid paths,
+    each in file order. Later sources override earlier ones on the same path."""
+    return [point for _, point in _expand(spec)]
+
+
+def duplicate_points(spec: SweepSpec) -> list[tuple[Source, Source, str]]:
+    """Points that are one point twice: the same id (one run directory for two points,
+    whose second run fails on the first's files), or the same labels and equal overrides
+    (`1` and `1.0`: one run made twice under two ids). Each is (the first source the
+    later point differs in, the earlier point's source there, why), once per source."""
+    by_id: dict[str, _Sourced] = {}
+    by_labels: dict[tuple[tuple[str, str], ...], list[_Sourced]] = {}
+    found: list[tuple[Source, Source, str]] = []
+    reported: set[Source] = set()
+    for sources, point in _expand(spec):
+        same_labels = by_labels.setdefault(tuple(point.labels.items()), [])
+        earlier = by_id.get(point.point_id)
+        why = f"both make point {point.point_id}"
+        if earlier is None:
+            earlier = next((e for e in same_labels if e[1].overrides == point.overrides), None)
+            if earlier is None:
+                by_id[point.point_id] = (sources, point)
+                same_labels.append((sources, point))
+                continue
+            why = f"both make the same point ({earlier[1].point_id} and {point.point_id})"
+        mine, theirs = next(
+            (m, t) for m, t in zip(sources, earlier[0], strict=True) if m != t
+        )  # two points never have the same sources
+        if mine not in reported:
+            reported.add(mine)
+            found.append((mine, theirs, why))
+    return found

@@ -271,4 +271,27 @@ def load_sweep(path: Path) -> LoadedSweep:
             f"{path}:1: (top level): the sweep has {count:,} points, more than the limit of "
             f"{MAX_SWEEP_POINTS:,} (each point is a full run)"
         )
+    _refuse_duplicate_points(loaded)
     return loaded
+
+
+def _refuse_duplicate_points(loaded: LoadedSweep) -> None:
+    """Two grid values, axis choices or listed points that make one point twice are
+    refused at their lines: the second would share the first's run directory (and fail on
+    its files after the first ran) or repeat its run under another id."""
+    from btb_lab.sweep.plan import _label, duplicate_points
+
+    problems = []
+    for mine, theirs, why in duplicate_points(loaded.spec):
+        field = ".".join(str(p) for p in mine)
+        if mine[0] == "grid":
+            value = _label(loaded.spec.grid[str(mine[1])][int(mine[2])])
+            what, fix = f"value {value} repeats", "list each value once"
+        else:
+            what, fix = "repeats", "remove one or make them differ"
+        problems.append(
+            f"{loaded.path}:{loaded.line(*mine)}: {field}: {what} "
+            f"{'.'.join(str(p) for p in theirs)} (line {loaded.line(*theirs)}): {why}; {fix}"
+        )
+    if problems:
+        raise ValidationFailed(problems)
