@@ -485,11 +485,13 @@ class Hypothesis(StrictModel):
         """Deprecated spellings this hypothesis used, e.g. `sim.mfu → costs.mfu`."""
         return list(self._aliases)
 
-    @model_validator(mode="after")
-    def _baseline_exists(self) -> Hypothesis:
-        if self.baseline not in self.variants:
+    @field_validator("baseline")
+    @classmethod
+    def _baseline_exists(cls, baseline: str, info: ValidationInfo) -> str:
+        # a field's check, not the model's: the error names `baseline` and its line
+        variants = info.data.get("variants")  # absent when the variants were invalid
+        if variants is not None and baseline not in variants:
             raise ValueError(
-                f"baseline {self.baseline!r} is not a variant; variants: "
-                + ", ".join(self.variants)
+                f"{baseline!r} is not a variant; variants: " + ", ".join(variants)
             )
-        return self
+        return baseline

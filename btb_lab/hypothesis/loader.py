@@ -114,8 +114,10 @@ class _Where:
 
     def __call__(self, path: PathKey) -> str:
         key = tuple(str(p) for p in path)
+        written = tuple(path) in self.lines
         for prefix, origin in self.overrides:
-            if key[: len(prefix)] == prefix:
+            # the override set this path, or made it (a key the file does not have)
+            if key[: len(prefix)] == prefix or (key and not written and prefix[: len(key)] == key):
                 return origin
         return f"{self.file}:{_line_for(path, self.lines)}"
 

@@ -323,3 +323,28 @@ def test_ordinary_variant_names_still_validate(tmp_path: Path, name: str) -> Non
     path = write_small(tmp_path, **{"  fast:\n": f'  "{name}":\n'})
     result = cli("validate", path)
     assert result.code == 0, result.output
+
+
+def test_an_override_is_blamed_for_the_keys_it_made(tmp_path: Path) -> None:
+    """`--set` of a key the file does not have, or of a baseline that is not a variant, is
+    reported at the flag, not at line 1 of the hypothesis; the same baseline written in
+    the file is reported at its own line."""
+    hyp = write_small(tmp_path)
+    for assignment, where in [
+        ("nosuch.path=1", "--set nosuch.path=1: nosuch: unknown key 'nosuch'"),
+        ("sim.nosuch=1", "--set sim.nosuch=1: sim.nosuch: unknown key 'nosuch'"),
+        ("baseline=nobody", "--set baseline=nobody: baseline: 'nobody' is not a variant"),
+    ]:
+        result = cli("run", hyp, "--set", assignment, "--dry-run")
+        assert result.code == 2, result.output
+        assert where in result.err, result.err
+        assert not result.traceback
+    text = hyp.read_text(encoding="utf-8")
+    line = text[: text.index("baseline:")].count("\n") + 1
+    (tmp_path / "b.yaml").write_text(
+        text.replace(text[text.index("baseline:") :].split("\n")[0], "baseline: nobody"),
+        encoding="utf-8",
+    )
+    result = cli("validate", tmp_path / "b.yaml")
+    assert result.code == 2
+    assert f"b.yaml:{line}: baseline: 'nobody' is not a variant" in result.output
