@@ -376,7 +376,8 @@ def _print_summary(summary: Summary) -> None:
     def fmt(x: float | None, digits: int = 3) -> str:
         return "n/a" if x is None else f"{x:.{digits}f}"
 
-    table = Table("variant", "OK/N", "TTFT50", "TTFT90", "TPOT90", "E2E50", "GPU imb.")
+    table = Table("variant", "OK/N", "TTFT50 (s)", "TTFT90 (s)", "TPOT90 (s)", "E2E50 (s)",
+                  "GPU imb.")  # fmt: skip
     for name, v in summary.variants.items():
         m = v.all
         imb = v.gpu.imbalance

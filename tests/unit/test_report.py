@@ -23,7 +23,7 @@ def test_report_has_the_seed_log_shape(tmp_path: Path, fake_effects) -> None:
         "**Claim**: fast is faster than base",
         "**Prior evidence**: none",
         "**Experiment**: backend `fake`",
-        "**Result**:",
+        "**Result** (TTFT, TPOT and E2E in seconds):",
         "**Verdict**: **VALIDATED**.",
     ):
         assert heading in report
