@@ -294,6 +294,10 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
                 if all(v in r.analyzed.manifest.variants for r in runs)]  # fmt: skip
     if not variants:
         raise UserError("the runs share no variant")
+    for name in dict.fromkeys(v for r in runs for v in r.analyzed.manifest.variants):
+        lacking = [str(r.run_dir) for r in runs if name not in r.analyzed.manifest.variants]
+        if lacking:  # said, not dropped without a word
+            warnings.append(f"variant {name} is not compared: {', '.join(lacking)} did not run it")
     scopes = ["all", *[c.name for c in hyp.classes]]
     gaps: list[MetricGap] = []
     for variant in variants:

@@ -281,6 +281,8 @@ def register(app: typer.Typer) -> None:
             hid = Manifest.load(dirs[0]).hypothesis_id
             out = results / "compare" / hid / new_run_id()
         comparison = write_comparison(dirs, out, force=force)
+        for warning in comparison.warnings:
+            typer.echo(f"warning: {warning}", err=True)
         agree = sum(v.agrees for v in comparison.verdicts)
         typer.echo(
             f"{comparison.model_backend} vs {comparison.reference_backend}: verdicts agree "

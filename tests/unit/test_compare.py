@@ -91,3 +91,19 @@ def test_cli_writes_compare_files_and_refuses_other_experiments(
                                  str(out / "y")])  # fmt: skip
     assert forced.exit_code == 0, forced.output
     assert "Warning" in (out / "y" / "compare.md").read_text()
+
+
+def test_a_variant_one_run_lacks_is_said_not_dropped(tmp_path: Path, fake_effects) -> None:
+    """A run of the baseline only beside a full one: the other variant cannot be compared,
+    and compare.md and the terminal say so and which run lacks it."""
+    EFFECTS.update({"base": 1.0, "fast": 0.5})
+    real = run_fake(tmp_path, out="real", repeats=2).run_dir
+    _as_cluster(real)
+    model = run_fake(tmp_path, out="model", repeats=2, variants=["base"]).run_dir
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(app, ["compare", str(real), str(model), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    said = f"variant fast is not compared: {model} did not run it"
+    assert f"warning: {said}" in result.output
+    assert said in (out / "compare.md").read_text()
+    assert {g.variant for g in compare_runs([real, model]).gaps} == {"base"}
