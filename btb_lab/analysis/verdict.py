@@ -346,6 +346,13 @@ def _decide(
     scope = f" {rule.klass}" if rule.klass else ""
     if rule.pool:
         scope += f" {rule.pool}-pool"
+        if "source" in records and not bool((records["source"] == rule.pool).any()):
+            pools = ", ".join(sorted(map(str, records["source"].dropna().unique()))) or "none"
+            return VariantVerdict(
+                variant=variant, word=INCONCLUSIVE, primary=primary,
+                reason=f"no request is in the pool verdict.pool names, {rule.pool!r}; this "
+                f"run's pools (request sources): {pools}",
+            )  # fmt: skip
     if min(primary.ok_baseline, primary.ok_variant) < rule.min_ok_requests:
         return VariantVerdict(
             variant=variant, word=INCONCLUSIVE, primary=primary,

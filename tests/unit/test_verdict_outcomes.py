@@ -139,6 +139,16 @@ def test_pool_restricts_the_comparison_to_one_source() -> None:
     assert art.word == "REJECTED"
 
 
+def test_a_pool_no_request_is_in_is_named_with_the_pools_there_are() -> None:
+    base, new = records("base", 1.0, seed=1), records("new", 0.5, seed=1)
+    for i, row in enumerate(base + new):
+        row["source"] = "synthetic" if i % 2 else "art"
+    v = judge(base + new, VerdictRule(metric="ttft_mean", pool="synthetc"))
+    assert v.word == "INCONCLUSIVE"
+    assert "no request is in the pool verdict.pool names, 'synthetc'" in v.reason
+    assert "pools (request sources): art, synthetic" in v.reason
+
+
 def test_pool_needs_a_request_metric() -> None:
     with pytest.raises(ValueError, match="cannot be restricted to a pool"):
         VerdictRule(metric="gpu_imbalance", pool="synthetic")
