@@ -467,8 +467,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         "timeline_origins": _origins(
             timeline if timeline is not None else first_repeat_events(run)
         ),
-        "verdict_word": summary.verdict.word,
-        "verdict_reason": summary.verdict.reason,
+        "verdict": summary.verdict,
         "complete": summary.complete,
         "runs_done": manifest.runs_ok,
         "runs_planned": manifest.runs_planned,

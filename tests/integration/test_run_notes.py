@@ -115,3 +115,27 @@ def test_the_report_says_why_requests_failed(tmp_path: Path) -> None:
     assert line.startswith('Failed: 5 × "needs 1000010 KV tokens; C0 holds ')
     assert line.endswith(", 1 with other errors")
     assert "OK=9/20" in report
+
+
+def test_the_report_gives_each_variants_verdict(tmp_path: Path) -> None:
+    """With several variants the headline verdict is one of them; every variant's own
+    verdict (a failed guard of another included) is listed under it, and with one variant
+    nothing is repeated."""
+    from tests.helpers import write_small
+
+    extra = (
+        "  fast:\n    router: {policy: round_robin}\n  aware:\n    router: {policy: cache_aware}\n"
+    )
+    hyp = write_small(tmp_path, **{"  fast:\n    router: {policy: round_robin}\n": extra})
+    result = cli("run", hyp, "--out", tmp_path / "run", "--no-progress")
+    assert result.code == 0, result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(encoding="utf-8"))
+    report = (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
+    assert "Each variant against the baseline:" in report
+    for name in ("fast", "aware"):
+        v = summary["verdict"]["variants"][name]
+        assert f"- `{name}`: **{v['word']}**. {v['reason']}." in report
+    single = write_small(tmp_path, name="one.yaml")
+    result = cli("run", single, "--out", tmp_path / "one", "--no-progress")
+    assert result.code == 0, result.output
+    assert "Each variant" not in (tmp_path / "one" / "report.md").read_text(encoding="utf-8")
