@@ -491,7 +491,5 @@ class Hypothesis(StrictModel):
         # a field's check, not the model's: the error names `baseline` and its line
         variants = info.data.get("variants")  # absent when the variants were invalid
         if variants is not None and baseline not in variants:
-            raise ValueError(
-                f"{baseline!r} is not a variant; variants: " + ", ".join(variants)
-            )
+            raise ValueError(f"{baseline!r} is not a variant; variants: " + ", ".join(variants))
         return baseline

@@ -34,6 +34,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "router_view": "resident",
             "router_match_tiers": "hbm_ram",
             "warm_copy_blocks_target": True,
+            "rdma_egress_shared": False,
             "host_ram_tier": True,
             "host_ram_bytes": None,
             "disk_tier": False,

@@ -71,6 +71,14 @@ class SimSettings(StrictModel):
         description="KV received from another instance enters the receiver's prefix cache "
         "and serves later turns (H6; only a real cluster can settle it).",
     )
+    rdma_egress_shared: bool = Field(
+        True,
+        description="Transfers out of one instance share its RDMA link too, one at a time "
+        "(a warm copy fanned out to M targets lands after M copy times, as a NIC's egress "
+        "bandwidth is shared); false: only transfers into an instance queue, the source "
+        "sends to any number of targets at full bandwidth each (btb-lab before engine "
+        "version 3; the seed simulator has no link contention at all).",
+    )
     window_replay: Literal["continuous", "fresh"] = Field(
         "continuous",
         description="How a workload of several trace windows (trace_ids) replays: one "

@@ -120,7 +120,13 @@ def fidelity_facts(
                 if settings.step_model == "mixed"
                 else "serial: one prefill at a time, decode paused, the fixed cost per prefill"
             ),
-            "rdma_link": "transfers into one instance share its RDMA link (serialized)",
+            "rdma_link": (
+                "transfers into one instance share its RDMA link, and transfers out of one "
+                "its outgoing link (each serialized)"
+                if settings.rdma_egress_shared
+                else "transfers into one instance share its RDMA link (serialized); a source "
+                "sends to any number at once"
+            ),
         }
     )
     return facts

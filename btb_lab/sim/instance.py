@@ -49,6 +49,7 @@ class InstanceState:
         "dS",
         "dW",
         "disk_tok_s",
+        "egress_free_s",
         "host_free_s",
         "index",
         "link_free_s",
@@ -123,6 +124,7 @@ class InstanceState:
         # shared_prefix_attention: the pinned prompt blocks the decoding batch shares
         self.shared = SharedPrefixReads(block_tokens)
         self.link_free_s = 0.0  # when its incoming RDMA link is next free
+        self.egress_free_s = 0.0  # when its outgoing one is (`rdma_egress_shared`)
         self.host_free_s = 0.0  # when its HBM <-> host RAM link is next free (actions.py)
         self.routed: RoutedBlocks = routed_cls(max(1, spec.kv_budget_tokens // block_tokens))
         self.load = InstanceLoad(spec.index, spec.name, spec.role, 0, 0, 0)

@@ -2,7 +2,8 @@
 source, or a recompute there), shipping an offloaded prefill's KV to its decode instance,
 and the events these end in (a transfer landing, a parked job resuming).
 
-Transfers into one instance share its RDMA link, one at a time (`link_free_s`). A copy
+Transfers into one instance share its RDMA link, one at a time (`link_free_s`), and with
+`rdma_egress_shared` so do transfers out of one (`egress_free_s`). A copy
 never starts before its blocks are complete on the source; a prefill may wait once for a
 copy in flight to it when that beats recomputing (it is parked until the copy lands).
 """
@@ -64,9 +65,10 @@ class Transfers(Scheduler):
             self.stats["warm_bytes"] += nbytes
             self._enqueue(target, warm, front=True)
             return
-        start = max(now, ready, target.link_free_s)
+        start = max(now, ready, target.link_free_s, self._egress_free(source))
         done = start + self.setup_s + self.costs.kv_move_s(tokens, source.index, target.index)
         target.link_free_s = done
+        self._egress_used(source, done)
         target.cache.expect_copy(copy, done)
         self.stats["warm_copies"] += 1
         self.stats["warm_bytes"] += nbytes
@@ -94,12 +96,13 @@ class Transfers(Scheduler):
         dinst = self.insts[job.decode_inst]
         dur = self.setup_s + self.costs.kv_move_s(req.input_tokens, pinst.index, dinst.index)
         if self.settings.layerwise:
-            start = max(job.prefill_start_s, dinst.link_free_s)
+            start = max(job.prefill_start_s, dinst.link_free_s, self._egress_free(pinst))
             done = max(start + dur, now + dur / pinst.spec.model.layers)
         else:
-            start = max(now, dinst.link_free_s)
+            start = max(now, dinst.link_free_s, self._egress_free(pinst))
             done = start + dur
         dinst.link_free_s = done
+        self._egress_used(pinst, done)
         job.rec.kv_transfer_s += done - now
         self.stats["kv_transfers"] += 1
         if self.events is not None:
@@ -107,6 +110,14 @@ class Transfers(Scheduler):
                 start, done, dinst.name, pinst.name, req.input_tokens, request_id=req.request_id
             )
         self._push(done, PRI_TRANSFER, EV_TRANSFER, dinst.index, job)
+
+    def _egress_free(self, source: InstanceState) -> float:
+        """When `source` may start sending: its outgoing link's queue, when shared."""
+        return source.egress_free_s if self.settings.rdma_egress_shared else 0.0
+
+    def _egress_used(self, source: InstanceState, done_s: float) -> None:
+        if self.settings.rdma_egress_shared:
+            source.egress_free_s = done_s
 
     # ---------------------------------------------------------------- handlers
     def _on_transfer(self, index: int, payload: WarmCopy | PrefillJob) -> None:

@@ -62,8 +62,13 @@ ABLATIONS: dict[str, list[AblationStep]] = {
         ),
         AblationStep(
             "copies on the RDMA link",
-            "a warm copy uses the target's link beside its compute, with a 1 ms setup",
-            {"sim.warm_copy_blocks_target": False, "costs.transfer_setup_ms": 1.0},
+            "a warm copy uses the target's link beside its compute, with a 1 ms setup, "
+            "and copies out of one source share its link",
+            {
+                "sim.warm_copy_blocks_target": False,
+                "sim.rdma_egress_shared": True,
+                "costs.transfer_setup_ms": 1.0,
+            },
         ),
         AblationStep(
             "BTB warms once, routes to the warm set",

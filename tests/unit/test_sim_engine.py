@@ -502,3 +502,20 @@ def test_a_repeated_prompt_computes_its_last_token(
     assert second.prefill_s == pytest.approx((input_tokens - cached) * P_TOK)
     assert second.first_token_s - second.arrival_s == pytest.approx((input_tokens - cached) * P_TOK)
     assert recs["a"].cached_tokens == 0
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_copy_fanned_out_shares_the_sources_outgoing_link(shared: bool) -> None:
+    """One source warms three targets at once: with its outgoing link shared the copies go
+    one after another (the last lands after three copy times); without, all land together."""
+    blocks = (1, 2, 3, 4)
+    warm = tuple(WarmAction(source=0, target=t, n_blocks=4) for t in (1, 2, 3))
+    script = {"r1": Decision(0), "w": Decision(0, warm=warm)}
+    reqs = [req("r1", 0.0, (*blocks, 100)), req("w", 10.0, (*blocks, 200))]
+    copy_s = 0.001 + 2048 * KVB / 200e9
+    _, eng = run(reqs, Scripted(script), nodes(4), rdma_egress_shared=shared)
+    done = sorted(entry.done_s for entry in eng.warm_log)
+    if shared:
+        assert done == pytest.approx([10.0 + k * copy_s for k in (1, 2, 3)])
+    else:
+        assert done == pytest.approx([10.0 + copy_s] * 3)
