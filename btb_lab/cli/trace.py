@@ -41,6 +41,15 @@ SCALE_OPT = typer.Option(
 )
 
 
+def _check_new_output(out: Path, force: bool) -> None:
+    """A trace file written earlier is not replaced without a word (a generated or
+    converted workload may be the only copy of what a run replayed)."""
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; name a file")
+    if out.exists() and not force:
+        raise UserError(f"--out {out}: the file exists; --force replaces it")
+
+
 def _load(
     path: Path, fmt: str, block_tokens: int, skip_bad_rows: bool, time_scale: float
 ) -> tuple[str, LoadedTrace]:
@@ -96,11 +105,13 @@ def generate_cmd(
     ),
     seed: int = typer.Option(0, "--seed", help="Random seed (same seed, same file)."),
     block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash block."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
 ) -> None:
     from btb_lab.workload.generators import GenContext, generate
     from btb_lab.workload.trace_checks import check_block_tokens
     from btb_lab.workload.writer import write_bursted_art
 
+    _check_new_output(out, force)
     check_block_tokens(block_tokens, "--block-tokens")
     requests = generate(
         kind, _parse_params(param), GenContext(seed=seed, block_tokens=block_tokens)
@@ -214,6 +225,7 @@ def convert_cmd(
     skip_bad_rows: bool = typer.Option(
         False, "--skip-bad-rows", help="Leave malformed rows out of the output, don't fail."
     ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
 ) -> None:
     from btb_lab.workload.formats import detect_format, load_trace
     from btb_lab.workload.writer import write_bursted_art_parquet
@@ -228,6 +240,7 @@ def convert_cmd(
         raise UserError(f"--out {out}: the output must be a .parquet file")
     if out.exists() and out.resolve() == path.resolve():
         raise UserError(f"--out {out}: the output would overwrite the source")
+    _check_new_output(out, force)
     # One token per block: every id count passes the loader's check here; a run checks
     # the ids against its own block size when it loads the converted file.
     _, loaded = _load(path, fmt, 1, skip_bad_rows, 1.0)

@@ -137,9 +137,30 @@ def test_a_file_that_does_not_load_back_the_same_is_not_written(
     monkeypatch.setattr(writer, "write_bursted_art_parquet", write)
     out = tmp_path / "out.parquet"
     out.write_bytes(b"an earlier file")
-    result = cli("trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", out)
+    result = cli("trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", out, "--force")
     assert result.code == 2
     assert not result.traceback
     assert message in result.err
     assert out.read_bytes() == b"an earlier file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]  # no partial file
+
+
+@pytest.mark.parametrize("command", ["convert", "generate"])
+def test_an_existing_output_is_replaced_only_with_force(tmp_path: Path, command: str) -> None:
+    """A converted or generated trace may be the only copy of what a run replayed."""
+    out = tmp_path / ("out.parquet" if command == "convert" else "out.jsonl")
+    out.write_bytes(b"an earlier file")
+    args = (["convert", FIXTURES / "bursted_art_small.jsonl"] if command == "convert"
+            else ["generate", "poisson", "-p", "requests=5"])  # fmt: skip
+    refused = cli("trace", *args, "-o", out)
+    assert refused.code == 2, refused.output
+    assert f"--out {out}: the file exists; --force replaces it" in refused.err
+    assert out.read_bytes() == b"an earlier file"
+    forced = cli("trace", *args, "-o", out, "--force")
+    assert forced.code == 0, forced.output
+    assert out.read_bytes() != b"an earlier file"
+    directory = tmp_path / ("d.parquet" if command == "convert" else "d.jsonl")
+    directory.mkdir()
+    folder = cli("trace", *args, "-o", directory)
+    assert folder.code == 2
+    assert "is a directory" in folder.err
