@@ -8,33 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.helpers import cli
+from tests.helpers import cli, write_small
 
-HYPOTHESIS = """\
-id: NOTES
-title: notes
-claim: a run says what it left out
-backend: sim
-model: llama-3.3-70b
-cluster:
-  instances:
-    - {role: C, count: 2, gpu: H100, gpus: 4}
-workload:
-  trace: {path: t.jsonl, format: mooncake, skip_bad_rows: true}
-  block_tokens: 512
-variants:
-  least_load:
-    router: {policy: least_load}
-  cache_aware:
-    router: {policy: cache_aware}
-baseline: least_load
-repeats: 1
-seed: 1
-verdict:
-  metric: ttft_p90
-  direction: decrease
-  min_effect: 0.05
-"""
+TRACE = "  trace: {path: t.jsonl, format: mooncake, skip_bad_rows: true}\n  block_tokens: 512"
+GENERATOR = "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}"
 
 
 def _write(folder: Path) -> Path:
@@ -46,9 +23,7 @@ def _write(folder: Path) -> Path:
     rows[3:3] = ["garbage", json.dumps({"timestamp": 35, "input_length": 600,
                                         "output_length": 10, "hash_ids": "x"})]  # fmt: skip
     (folder / "t.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
-    path = folder / "h.yaml"
-    path.write_text(HYPOTHESIS, encoding="utf-8")
-    return path
+    return write_small(folder, "h.yaml", **{GENERATOR: TRACE})
 
 
 def test_skipped_rows_and_a_short_workload_are_said_everywhere(tmp_path: Path) -> None:
@@ -104,10 +79,10 @@ def test_the_report_says_why_requests_failed(tmp_path: Path) -> None:
         encoding="utf-8",
     )  # fmt: skip
     result = cli("run", hyp, "--out", tmp_path / "run", "--no-progress",
-                 "--set", "cluster.instances.0.count=1", "--variants", "least_load")  # fmt: skip
+                 "--set", "cluster.instances.0.count=1", "--variants", "base")  # fmt: skip
     assert result.code == 0, result.output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text(encoding="utf-8"))
-    failures = summary["variants"]["least_load"]["failures"]
+    failures = summary["variants"]["base"]["failures"]
     assert list(failures.values()) == [5, 3, 2]  # the three most frequent, most first
     assert all(e.startswith("needs ") and "KV tokens" in e for e in failures)
     report = (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
@@ -121,8 +96,6 @@ def test_the_report_gives_each_variants_verdict(tmp_path: Path) -> None:
     """With several variants the headline verdict is one of them; every variant's own
     verdict (a failed guard of another included) is listed under it, and with one variant
     nothing is repeated."""
-    from tests.helpers import write_small
-
     extra = (
         "  fast:\n    router: {policy: round_robin}\n  aware:\n    router: {policy: cache_aware}\n"
     )
