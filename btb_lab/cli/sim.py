@@ -17,13 +17,18 @@ def costs(
     gpu: str = typer.Option("H100", help="GPU preset (A100, H100, H200, B200, B300, MI300X)."),
     gpus: int = typer.Option(4, min=1, help="GPUs per instance (tensor-parallel size)."),
     mfu: float = typer.Option(0.5, min=0.01, max=1.0, help="Model FLOP utilization."),
+    attention: bool = typer.Option(
+        False,
+        "--attention",
+        help="Add a row with the prefill's attention term (costs.prefill_attention).",
+    ),
 ) -> None:
     """Print milliseconds to make N tokens of KV resident: prefill vs disk/RDMA/RAM/HBM."""
     from btb_lab.model.hardware import make_instance, resolve_gpu, resolve_model
     from btb_lab.model.roofline import render_cost_table
 
     inst = make_instance(0, "C0", "C", resolve_gpu(gpu), gpus, resolve_model(model))
-    typer.echo(render_cost_table(inst, mfu))
+    typer.echo(render_cost_table(inst, mfu, attention=attention))
 
 
 @app.command("bench")

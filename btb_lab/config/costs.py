@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
 
@@ -39,6 +39,15 @@ class CostSettings(StrictModel):
         "measurements by `btb-lab calibrate`; memory still follows the presets).",
     )
     mfu: float = Field(0.5, gt=0, le=1, description="Model FLOP utilization during prefill.")
+    prefill_attention: bool = Field(
+        False,
+        description="The roofline's prefill also computes attention: each new token over "
+        "every token before it, cached or new, 4 × layers × query width FLOPs a pair at "
+        "costs.mfu (a 65,536-token prompt on llama-3.3-70b costs 1.61× the linear layers "
+        "alone); needs the model's query width (a preset that has it, or "
+        "model.attention_heads). False: only the linear layers' 2 × active params per token "
+        "(the seed simulator). A fitted profile has its own attention term.",
+    )
     mbu: float = Field(0.8, gt=0, le=1, description="Memory bandwidth utilization in decode.")
     transfer_setup_ms: float = Field(
         1.0, ge=0, le=60_000, description="Fixed latency of one KV transfer between instances."
@@ -50,6 +59,17 @@ class CostSettings(StrictModel):
         description="Fraction of HBM the engine may use (vLLM's gpu_memory_utilization); KV "
         "gets what is left after the weights.",
     )
+
+    @model_validator(mode="after")
+    def _attention_on_the_roofline(self) -> CostSettings:
+        """A fitted profile measured its prefill attention; adding the roofline's on top
+        would count it twice."""
+        if self.prefill_attention and self.model != "roofline":
+            raise ValueError(
+                "costs.prefill_attention applies to the roofline; a fitted profile "
+                "(costs.model.profile) has its own prefill attention term"
+            )
+        return self
 
 
 SIM_ALIASES: tuple[str, ...] = ("mfu", "mbu", "transfer_setup_ms", "gpu_memory_utilization")

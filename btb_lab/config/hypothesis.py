@@ -70,6 +70,12 @@ class ModelShape(StrictModel):
     layers: int = Field(ge=1, description="Transformer layers.")
     kv_heads: int = Field(ge=1, description="KV heads (GQA groups).")
     head_dim: int = Field(ge=1, description="Dimension of one head.")
+    attention_heads: int | None = Field(
+        None,
+        ge=1,
+        description="Query heads (config.json num_attention_heads), each head_dim wide: "
+        "the width of the roofline's prefill attention term (costs.prefill_attention).",
+    )
 
 
 class InstanceGroup(StrictModel):

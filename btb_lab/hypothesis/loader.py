@@ -22,7 +22,7 @@ from btb_lab.config.metrics import METRICS
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.variants import deep_merge
 from btb_lab.errors import UserError, ValidationFailed
-from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS
+from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS, no_query_width, resolve_model
 from btb_lab.model.profile import load_profile
 from btb_lab.policies import POLICIES, build_policy
 from btb_lab.workload.loader import validate_workload_spec
@@ -340,6 +340,18 @@ def _semantic_problems(
                     (("variants", vname, "cluster", "instances", i), g)
                     for i, g in enumerate(cluster.instances)
                 ]
+    # the roofline's prefill attention term needs the model's query width
+    attention: list[PathKey] = [("costs", "prefill_attention")] * hyp.costs.prefill_attention
+    attention += [
+        ("variants", vname, "costs", "prefill_attention")
+        for vname, variant in hyp.variants.items()
+        if variant.costs.get("prefill_attention") is True
+    ]
+    if attention and (not isinstance(hyp.model, str) or hyp.model.lower() in MODEL_PRESETS):
+        model = resolve_model(hyp.model)
+        if model.query_width is None:
+            for path in attention:
+                add(path, no_query_width(model))
     gpu_names = {name.lower() for name in GPU_PRESETS}
     for path, group in groups:
         if group.gpu.lower() not in gpu_names:

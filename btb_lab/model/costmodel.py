@@ -3,7 +3,8 @@ topology and `costs:` block, handed to the simulator's engine (which advances it
 these costs) and to the policies of either backend (through the `CostModel` protocol of
 `btb_lab.policies.base`, which this class satisfies structurally).
 
-`RooflineCostModel` is the roofline: compute-bound prefill at MFU, decode steps that read
+`RooflineCostModel` is the roofline: compute-bound prefill at MFU (the linear layers, and
+with `costs.prefill_attention` attention over the context too), decode steps that read
 the active weights once and every context token's KV at MBU × HBM bandwidth, KV moved over
 each tier's bandwidth plus a fixed transfer setup latency. A fitted profile
 (`model.profile`) adds a fixed cost per prefill, prefill attention over the context, a
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from btb_lab.model.hardware import InstanceSpec, build_instances, resolve_model
-from btb_lab.model.roofline import tier_bandwidth
+from btb_lab.model.roofline import attention_pair_s, prefill_s, tier_bandwidth
 
 if TYPE_CHECKING:
     from btb_lab.config.costs import CostSettings
@@ -80,11 +81,16 @@ class RooflineCostModel:
         kvb = spec.kv_bytes_per_token
         bw = spec.hbm_bw * self.settings.mbu
         return InstanceCosts(
-            prefill_token_s=2.0 * spec.model.active_params / (spec.flops * self.settings.mfu),
+            prefill_token_s=prefill_s(spec, 1, self.settings.mfu),
             decode_step_s=spec.model.active_weight_bytes / bw,
             decode_context_token_s=kvb / bw,
             ram_token_s=kvb / spec.ram_bw,
             disk_token_s=kvb / spec.disk_bw,
+            prefill_context_token_s=(
+                attention_pair_s(spec, self.settings.mfu)
+                if self.settings.prefill_attention
+                else 0.0
+            ),
         )
 
     # CostModel (policies) -----------------------------------------------------------------
@@ -129,7 +135,10 @@ class RooflineCostModel:
     def not_calibrated(self) -> list[str]:
         """The costs that come from presets, each with where it comes from."""
         s = self.settings
-        prefill = f"prefill: roofline (2 × active params / (GPU FLOP/s × costs.mfu {s.mfu:g}))"
+        prefill = f"prefill: roofline (2 × active params / (GPU FLOP/s × costs.mfu {s.mfu:g})"
+        if s.prefill_attention:
+            prefill += " per token + 4 × layers × query width per new × context token"
+        prefill += ")"
         decode = (
             "decode step: roofline (weights + context KV read at HBM bandwidth × costs.mbu "
             f"{s.mbu:g})"

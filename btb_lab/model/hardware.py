@@ -24,6 +24,7 @@ __all__ = [
     "build_instances",
     "kv_bytes_per_token",
     "make_instance",
+    "no_query_width",
     "resolve_gpu",
     "resolve_model",
 ]
@@ -70,7 +71,10 @@ GPU_PRESETS: dict[str, GPUSpec] = {
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A served model. `weight_bytes` per parameter and `kv_dtype_bytes` per KV element
-    differ for quantized checkpoints (weights in fp8/int4, KV cache in bf16)."""
+    differ for quantized checkpoints (weights in fp8/int4, KV cache in bf16).
+    `query_width` is query heads × the dimension attention scores and values are computed
+    over (the roofline's prefill attention term, `costs.prefill_attention`); None where
+    the shape does not say."""
 
     name: str
     params: float
@@ -80,6 +84,7 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     kv_dtype_bytes: float = 2.0
+    query_width: int | None = None
 
     @property
     def weight_total_bytes(self) -> float:
@@ -93,19 +98,23 @@ class ModelSpec:
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     # Llama-3.3-70B-Instruct config.json, fp16 as in the seed: 80 layers, 8 KV heads × 128.
-    "llama-3.3-70b": ModelSpec("llama-3.3-70b", 70.6e9, 70.6e9, 2, 80, 8, 128),
-    # Qwen3-8B config.json: 8.2B params, 36 layers, 8 KV heads × 128, bf16.
-    "qwen3-8b": ModelSpec("qwen3-8b", 8.2e9, 8.2e9, 2, 36, 8, 128),
-    # GLM-4.5 (355B total / 32B active MoE, 92 layers, 8 KV heads × 128). int4 weights
-    # (AWQ/GPTQ) so it fits 4×H100 as in the seed's glm45_h100x4 setup; bf16 KV.
-    "glm45": ModelSpec("glm45", 355e9, 32e9, 0.5, 92, 8, 128),
+    # 64 query heads × 128.
+    "llama-3.3-70b": ModelSpec(
+        "llama-3.3-70b", 70.6e9, 70.6e9, 2, 80, 8, 128, query_width=64 * 128
+    ),
+    # Qwen3-8B config.json: 8.2B params, 36 layers, 8 KV heads × 128, bf16; 32 query heads.
+    "qwen3-8b": ModelSpec("qwen3-8b", 8.2e9, 8.2e9, 2, 36, 8, 128, query_width=32 * 128),
+    # GLM-4.5 (355B total / 32B active MoE, 92 layers, 8 KV heads × 128, 96 query heads).
+    # int4 weights (AWQ/GPTQ) so it fits 4×H100 as in the seed's glm45_h100x4 setup; bf16 KV.
+    "glm45": ModelSpec("glm45", 355e9, 32e9, 0.5, 92, 8, 128, query_width=96 * 128),
     # GLM-4.6 (same shape as GLM-4.5, 355B / 32B active) with fp8 weights (the official
     # -FP8 checkpoint), bf16 KV. (Not the seed's `glm52` setup: that is `seed-glm52`.)
-    "glm46": ModelSpec("glm46", 355e9, 32e9, 1, 92, 8, 128),
+    "glm46": ModelSpec("glm46", 355e9, 32e9, 1, 92, 8, 128, query_width=96 * 128),
     # Kimi K2 (1.04T total / 32B active, 61 layers, MLA). MLA caches one 576-wide latent
     # per layer (kv_lora_rank 512 + rope 64), modeled as 1 head × 288 for K and V; int4
-    # weights (as Kimi-K2-Thinking ships) so it fits 8×H100.
-    "kimi-k2": ModelSpec("kimi-k2", 1.04e12, 32e9, 0.5, 61, 1, 288),
+    # weights (as Kimi-K2-Thinking ships) so it fits 8×H100. Prefill attention runs on 64
+    # heads with 192-wide scores (128 + rope 64) and 128-wide values: the mean, 160 × 64.
+    "kimi-k2": ModelSpec("kimi-k2", 1.04e12, 32e9, 0.5, 61, 1, 288, query_width=160 * 64),
     # A hypothetical dense 1T model: 120 layers, GQA with 16 KV heads × 128, fp8 weights,
     # bf16 KV (983,040 B/token). (The seed's dense1t is `seed-dense1t`.)
     "dense1t-gqa16": ModelSpec("dense1t-gqa16", 1e12, 1e12, 1, 120, 16, 128),
@@ -128,6 +137,16 @@ RENAMED_PRESETS = {
     "glm52": "use glm46 (GLM-4.6, fp8 weights, bf16 KV) or seed-glm52 (the seed's setup)",
     "dense1t": "use dense1t-gqa16 (16 KV heads, bf16 KV) or seed-dense1t (the seed's setup)",
 }
+
+
+def no_query_width(model: ModelSpec) -> str:
+    """Why `model` cannot price prefill attention (`costs.prefill_attention`)."""
+    having = ", ".join(name for name, spec in MODEL_PRESETS.items() if spec.query_width)
+    return (
+        f"model {model.name} has no query width for the prefill attention term; give "
+        "model.attention_heads (config.json num_attention_heads) or use a preset that has "
+        f"one ({having})"
+    )
 
 
 def kv_bytes_per_token(model: ModelSpec) -> float:
@@ -156,6 +175,7 @@ def resolve_model(model: str | ModelShape) -> ModelSpec:
         kv_heads=model.kv_heads,
         head_dim=model.head_dim,
         kv_dtype_bytes=model.dtype_bytes,
+        query_width=model.attention_heads and model.attention_heads * model.head_dim,
     )
 
 
