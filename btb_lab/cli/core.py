@@ -280,7 +280,10 @@ def register(app: typer.Typer) -> None:
         if out is None:
             hid = Manifest.load(dirs[0]).hypothesis_id
             out = results / "compare" / hid / new_run_id()
-        comparison = write_comparison(dirs, out, force=force)
+        try:
+            comparison = write_comparison(dirs, out, force=force)
+        except OSError as exc:
+            raise OutputError(describe_os_error(exc, out)) from None
         for warning in comparison.warnings:
             typer.echo(f"warning: {warning}", err=True)
         agree = sum(v.agrees for v in comparison.verdicts)

@@ -20,7 +20,7 @@ from btb_lab.analysis.compare import (
 from btb_lab.config.metrics import METRICS
 from btb_lab.errors import UserError
 from btb_lab.report.render import render_template
-from btb_lab.results import write_json
+from btb_lab.results import MANIFEST, write_json
 
 __all__ = ["write_comparison"]
 
@@ -95,10 +95,23 @@ def _cdf_plots(comparison: Comparison, runs: list[SideRun], out_dir: Path) -> li
     return written
 
 
+def _check_out_dir(out_dir: Path, run_dirs: list[Path]) -> None:
+    """A comparison's folder is its own: never a run directory (its report and plots sit
+    beside the records a reader trusts) nor a file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir}: a file, not a folder")
+    resolved = out_dir.resolve()
+    if (out_dir / MANIFEST).is_file() or any(resolved == d.resolve() for d in run_dirs):
+        raise UserError(
+            f"--out {out_dir}: a run directory; write the comparison to a folder of its own"
+        )
+
+
 def write_comparison(run_dirs: list[Path], out_dir: Path, *, force: bool = False) -> Comparison:
     """Compare the runs and write compare.json, compare.md and plots/ into `out_dir`."""
     if len(run_dirs) < 2:
         raise UserError("compare needs at least two run directories")
+    _check_out_dir(out_dir, run_dirs)
     runs = load_side_runs(run_dirs)
     comparison = compare_side_runs(runs, force=force)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,34 @@ def test_cli_writes_compare_files_and_refuses_other_experiments(
     assert "Warning" in (out / "y" / "compare.md").read_text()
 
 
+def test_out_that_is_a_run_directory_or_a_file_is_refused(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    real, model = pair
+    runner = CliRunner()
+    before = sorted(p.name for p in real.rglob("*"))
+    refused = runner.invoke(app, ["compare", str(real), str(model), "--out", str(real)])
+    assert refused.exit_code == 2
+    assert "a run directory" in refused.output
+    assert "Traceback" not in refused.output
+    assert sorted(p.name for p in real.rglob("*")) == before  # nothing written into it
+    # any run directory, not only one of those compared
+    other = run_fake(tmp_path, out="other").run_dir
+    refused = runner.invoke(app, ["compare", str(real), str(model), "--out", str(other)])
+    assert refused.exit_code == 2
+    assert "a run directory" in refused.output
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    refused = runner.invoke(app, ["compare", str(real), str(model), "--out", str(a_file)])
+    assert refused.exit_code == 2
+    assert "a file, not a folder" in refused.output
+    assert a_file.read_text() == "mine"
+    # a folder under a file cannot be made: the OS error, said in one line
+    refused = runner.invoke(app, ["compare", str(real), str(model), "--out", str(a_file / "cmp")])
+    assert refused.exit_code == 2, refused.output
+    assert "Traceback" not in refused.output
+
+
 def test_a_variant_one_run_lacks_is_said_not_dropped(tmp_path: Path, fake_effects) -> None:
     """A run of the baseline only beside a full one: the other variant cannot be compared,
     and compare.md and the terminal say so and which run lacks it."""
