@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from btb_lab.config.limits import MAX_TOKENS
 from btb_lab.workload.hashing import stable_hashes63
+from btb_lab.workload.trace_checks import open_trace
 
 __all__ = [
     "CHUNK_BYTES",
@@ -56,7 +57,7 @@ def _line_chunks(path: Path) -> Iterator[bytes]:
     """The file in chunks of about `CHUNK_BYTES` that end at a line's end (the last one
     may lack its newline)."""
     rest = b""
-    with path.open("rb") as handle:
+    with open_trace(path) as handle:
         while data := handle.read(CHUNK_BYTES):
             data = rest + data
             cut = data.rfind(b"\n") + 1
@@ -68,7 +69,7 @@ def _line_chunks(path: Path) -> Iterator[bytes]:
 
 
 def _first_row(path: Path) -> dict[str, Any]:
-    with path.open("rb") as handle:
+    with open_trace(path) as handle:
         line = handle.readline()
     try:
         row = json.loads(line)

@@ -8,6 +8,7 @@ silently. Arrival times stay as the file gives them; time scaling happens in `lo
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -22,7 +23,13 @@ from btb_lab.errors import UserError
 from btb_lab.records import Request
 from btb_lab.registry import Registry
 from btb_lab.workload.hashing import BlockIdInterner, block_id
-from btb_lab.workload.trace_checks import check_trace_input, token_count, unreadable_parquet
+from btb_lab.workload.trace_checks import (
+    check_trace_input,
+    open_trace,
+    token_count,
+    trace_stem,
+    unreadable_parquet,
+)
 
 __all__ = [
     "FORMATS",
@@ -74,7 +81,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
         return
     line_no = 0
     try:
-        with path.open("r", encoding="utf-8") as handle:
+        with open_trace(path) as raw, io.TextIOWrapper(raw, encoding="utf-8") as handle:
             for line_no, line in enumerate(handle, start=1):
                 text = line.strip()
                 if not text:
@@ -95,6 +102,10 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
         raise UserError(f"{path}:{line_no + 1}: not UTF-8 text (a binary file?)") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except EOFError:
+        raise UserError(
+            f"{path}:{line_no + 1}: the gzip stream ends early (a cut download?)"
+        ) from None
 
 
 def _parquet_rows(path: Path) -> list[dict[str, Any]]:
@@ -219,7 +230,7 @@ def _columnar(
         return LoadedTrace(build(columnar, path, block_tokens))
     except columnar.Fallback:
         return None
-    except (ValueError, OSError):  # pyarrow cannot read it: the row loader says why, with the file
+    except (ValueError, OSError, EOFError):  # the row loader says why, with the file
         return None
 
 
@@ -261,7 +272,7 @@ def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
         return fast
     last_ms = -math.inf
     interner = BlockIdInterner()
-    stem = path.stem  # a property that splits the name: once per file, not per row
+    stem = trace_stem(path)  # once per file, not per row
 
     def parse(line_no: int, row: dict[str, Any]) -> Request:
         nonlocal last_ms
@@ -291,7 +302,7 @@ def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]
     out: list[Request] = []
     last_ms = -math.inf
     interned: dict[int, int] = {}  # block id -> its one object in the file
-    stem = path.stem
+    stem = trace_stem(path)
     for batch, _ in col.read_batches(path, schema):
         times_ms = col.required_times(batch, "timestamp")
         inputs = col.required_lengths(batch, "input_length")

@@ -10,6 +10,7 @@ are refused alike. Kept apart from `formats` so that module stays under 600 line
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 from btb_lab.errors import UserError
 
@@ -17,6 +18,8 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "check_block_tokens",
     "check_trace_input",
+    "open_trace",
+    "trace_stem",
     "token_count",
     "unreadable_parquet",
 ]
@@ -30,6 +33,29 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     ),
     "art-chat": ("timestamp_ms", "request_id", "input_length", "output_length", "hash_ids"),
 }  # fmt: skip
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_trace(path: Path) -> BinaryIO:
+    """A JSONL trace's bytes, decompressed where the file is gzip (by its first bytes, not
+    its name: `trace.jsonl.gz` as published, or renamed). A truncated gzip stream raises
+    `EOFError` on the read that reaches its end."""
+    import gzip
+
+    handle = path.open("rb")
+    if handle.read(2) == GZIP_MAGIC:
+        handle.close()
+        return gzip.open(path, "rb")  # type: ignore[return-value]  # a GzipFile reads bytes
+    handle.seek(0)
+    return handle
+
+
+def trace_stem(path: Path) -> str:
+    """The file's name without its suffix, and without `.gz` before that: the request ids
+    of `conv.jsonl.gz` are those of `conv.jsonl`."""
+    return Path(path.stem).stem if path.suffix == ".gz" else path.stem
 
 
 def check_block_tokens(block_tokens: object, where: str = "block_tokens") -> None:

@@ -426,3 +426,36 @@ def test_the_id_loops_check_their_arrays(loops: str) -> None:
             rows_of_ids(ids, index, np.array([0, 1], dtype=np.int32))
         with pytest.raises(TypeError):
             interned([], [1])
+
+
+@pytest.mark.parametrize(("path", "fmt"), WELL_FORMED, ids=lambda v: getattr(v, "name", v))
+def test_gzip_files_load_as_their_plain_text(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: Path, fmt: str
+) -> None:
+    """A published `trace.jsonl.gz` reads as is, on both paths, to the requests of the
+    file it decompresses to (request ids from the name without `.gz`)."""
+    import gzip
+
+    plain = formats.load_trace(path, fmt, block_tokens=512)
+    packed = tmp_path / f"{path.name}.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    fast, rows, took_fast = both(monkeypatch, packed, fmt)
+    assert took_fast
+    assert fast == rows == ("ok", plain.requests, plain.bad_rows)
+
+
+def test_a_cut_gzip_file_is_an_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import gzip
+
+    source = SAMPLES / "bursted_small.jsonl"
+    packed = gzip.compress(source.read_bytes())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed[: len(packed) // 2])
+    default, rows, took_fast = both(monkeypatch, cut, "bursted-art")
+    assert not took_fast
+    assert default == rows
+    assert default[0] == "error"
+    assert default[1].startswith(f"{cut}:")
+    assert "gzip stream ends early" in default[1]
