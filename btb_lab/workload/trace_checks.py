@@ -19,8 +19,8 @@ __all__ = [
     "check_block_tokens",
     "check_trace_input",
     "open_trace",
-    "trace_stem",
     "token_count",
+    "trace_stem",
     "unreadable_parquet",
 ]
 
