@@ -48,6 +48,16 @@ class CostSettings(StrictModel):
         "model.attention_heads). False: only the linear layers' 2 × active params per token "
         "(the seed simulator). A fitted profile has its own attention term.",
     )
+    prefill_weight_read: bool = Field(
+        False,
+        description="A prefill reads the active weights once, as a decode step does: it "
+        "takes at least active weight bytes / (HBM bandwidth × costs.mbu) however few its "
+        "new tokens (llama-3.3-70b on 4×H100: 13 ms, the compute of about 180 tokens), so a "
+        "prompt found almost whole in cache is not nearly free. Under sim.step_model mixed "
+        "a batch's steps pay it once a step, and not beside running decodes, whose steps "
+        "read the weights already. False: compute only (the seed simulator). A fitted "
+        "profile's fixed prefill cost measured this.",
+    )
     mbu: float = Field(0.8, gt=0, le=1, description="Memory bandwidth utilization in decode.")
     transfer_setup_ms: float = Field(
         1.0, ge=0, le=60_000, description="Fixed latency of one KV transfer between instances."
@@ -68,6 +78,11 @@ class CostSettings(StrictModel):
             raise ValueError(
                 "costs.prefill_attention applies to the roofline; a fitted profile "
                 "(costs.model.profile) has its own prefill attention term"
+            )
+        if self.prefill_weight_read and self.model != "roofline":
+            raise ValueError(
+                "costs.prefill_weight_read applies to the roofline; a fitted profile "
+                "(costs.model.profile) measured its fixed prefill cost"
             )
         return self
 

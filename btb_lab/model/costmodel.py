@@ -44,26 +44,35 @@ class InstanceCosts:
     prefill_context_token_s: float = 0.0  # per (new token × context token): attention
     prefill_cached_token_s: float = 0.0  # per cached prompt token brought into use
     decode_seq_s: float = 0.0  # per running sequence per decode step
+    # The least a prefill takes (costs.prefill_weight_read: one read of the weights).
+    prefill_floor_s: float = 0.0
 
     @property
     def prefill_terms(self) -> bool:
         """Whether a prefill costs more than its per-token compute (a fitted profile)."""
         return bool(
-            self.prefill_fixed_s or self.prefill_context_token_s or self.prefill_cached_token_s
+            self.prefill_fixed_s
+            or self.prefill_context_token_s
+            or self.prefill_cached_token_s
+            or self.prefill_floor_s
         )
 
     def prefill_s(self, new_tokens: float, cached_tokens: float = 0) -> float:
         """One prefill of `new_tokens` on top of `cached_tokens` already in use: the fixed
         cost, compute per new token, attention of each new token over the context before
         it (`cached_tokens + new_tokens / 2` on average), and bringing the cached prefix
-        into use. With only the per-token term (the roofline) the sum is that term, to the
-        bit."""
-        return (
+        into use; no less than `prefill_floor_s` (a mixed batch pays that once a step
+        instead, `steps.py`). With only the per-token term (the roofline) the sum is that
+        term, to the bit."""
+        work_s = (
             self.prefill_fixed_s
             + new_tokens * self.prefill_token_s
             + self.prefill_context_token_s * new_tokens * (cached_tokens + new_tokens / 2)
             + self.prefill_cached_token_s * cached_tokens
         )
+        if work_s < self.prefill_floor_s:
+            return self.prefill_floor_s
+        return work_s
 
 
 class RooflineCostModel:
@@ -80,9 +89,10 @@ class RooflineCostModel:
     def _instance_costs(self, spec: InstanceSpec) -> InstanceCosts:
         kvb = spec.kv_bytes_per_token
         bw = spec.hbm_bw * self.settings.mbu
+        weights_s = spec.model.active_weight_bytes / bw
         return InstanceCosts(
             prefill_token_s=prefill_s(spec, 1, self.settings.mfu),
-            decode_step_s=spec.model.active_weight_bytes / bw,
+            decode_step_s=weights_s,
             decode_context_token_s=kvb / bw,
             ram_token_s=kvb / spec.ram_bw,
             disk_token_s=kvb / spec.disk_bw,
@@ -91,6 +101,7 @@ class RooflineCostModel:
                 if self.settings.prefill_attention
                 else 0.0
             ),
+            prefill_floor_s=weights_s if self.settings.prefill_weight_read else 0.0,
         )
 
     # CostModel (policies) -----------------------------------------------------------------
@@ -139,6 +150,8 @@ class RooflineCostModel:
         if s.prefill_attention:
             prefill += " per token + 4 × layers × query width per new × context token"
         prefill += ")"
+        if s.prefill_weight_read:
+            prefill += ", at least one read of the weights at HBM bandwidth × costs.mbu"
         decode = (
             "decode step: roofline (weights + context KV read at HBM bandwidth × costs.mbu "
             f"{s.mbu:g})"

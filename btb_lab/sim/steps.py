@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import replace
 from typing import Any
 
 from btb_lab.sim.actions import CacheActions
@@ -66,7 +67,16 @@ class MixedSteps(CacheActions):
         super().__init__(*args, **kwargs)
         self.max_batched_tokens = self.settings.max_batched_tokens
         self.batches: list[PrefillBatch | None] = [None] * len(self.insts)
+        # the least one step of a batch with no decode running takes (prefill_weight_read:
+        # the weights read once a step, not once a prefill of the batch)
+        self.batch_floor_s = [0.0] * len(self.insts)
         if self.mixed:
+            for inst in self.insts:
+                costs = inst.prefill_costs
+                if costs is not None and costs.prefill_floor_s:
+                    self.batch_floor_s[inst.index] = costs.prefill_floor_s
+                    costs = replace(costs, prefill_floor_s=0.0)
+                    inst.prefill_costs = costs if costs.prefill_terms else None
             self.stats["prefill_batches"] = 0
             # bound once, so the serial engine's hot path keeps its direct call
             self._step = self._step_mixed  # type: ignore[method-assign]  # a bound override
@@ -205,8 +215,8 @@ class MixedSteps(CacheActions):
             c0 = inst.dW + k_tokens * inst.dK + b * inst.dS + batch.share_s
             c1 = b * inst.dK
             steps = min(left, run_heap[0][0] - inst.steps_done)
-        else:
-            c0 = batch.share_s
+        else:  # no decode step reads the weights: the batch's own steps do
+            c0 = max(batch.share_s, self.batch_floor_s[inst.index])
             c1 = 0.0
             steps = left
         inst.seg_c0 = c0
