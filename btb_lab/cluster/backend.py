@@ -35,6 +35,7 @@ from btb_lab.cluster.telemetry import (
 )
 from btb_lab.errors import UserError
 from btb_lab.records import EventRecord, Request
+from btb_lab.workload.sessions import SessionGate
 
 if TYPE_CHECKING:
     from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
@@ -245,7 +246,11 @@ class ClusterBackend:
                     _scrape_periodically(client, endpoints, clock, every_s, periodic)
                 )
             try:
-                driver = LoadDriver(router.dispatch, ctx.sink, clock, progress=ctx.progress)
+                closed = ctx.hypothesis.workload.session_replay == "closed"
+                driver = LoadDriver(
+                    router.dispatch, ctx.sink, clock, progress=ctx.progress,
+                    sessions=SessionGate() if closed else None,
+                )  # fmt: skip
                 stats = await driver.run(requests)
                 await router.drain()
             finally:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from btb_lab import collector
 from btb_lab.interrupts import Terminated, cancel_on_terminate
 from btb_lab.records import Request, RequestRecord
+from btb_lab.workload.sessions import SessionGate
 
 if TYPE_CHECKING:
     import httpx
@@ -412,6 +413,7 @@ class DriverStats:
     """What the driver measured about itself (never about the servers)."""
 
     sent: int = 0
+    held: int = 0  # turns that waited for their session's earlier turns (closed replay)
     finished: int = 0
     ok: int = 0
     failed: int = 0
@@ -428,6 +430,7 @@ class DriverStats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "sent": self.sent,
+            "held": self.held,
             "finished": self.finished,
             "ok": self.ok,
             "failed": self.failed,
@@ -446,7 +449,9 @@ Dispatch = Callable[[Request, float], Awaitable[RequestRecord]]
 class LoadDriver:
     """Replays requests at `arrival_s` (time_scale already applied by the workload).
     `dispatch(request, target_s)` does the HTTP work and returns the finished record;
-    the driver writes it to the sink at once, so an interrupt loses nothing finished."""
+    the driver writes it to the sink at once, so an interrupt loses nothing finished.
+    With `sessions` (workload.session_replay closed) a turn whose session is still
+    answering an earlier turn is held, and sent when that turn's answer is in."""
 
     def __init__(
         self,
@@ -455,44 +460,60 @@ class LoadDriver:
         clock: RunClock,
         *,
         progress: Callable[[int, int], None] = lambda done, total: None,
+        sessions: SessionGate | None = None,
     ) -> None:
         self.dispatch = dispatch
         self.sink = sink
         self.clock = clock
         self.progress = progress
+        self.sessions = sessions
         self.stats = DriverStats()
         self._lags: list[float] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._total = 0
 
     async def run(self, requests: Sequence[Request]) -> DriverStats:
         ordered = sorted(requests, key=lambda r: r.arrival_s)
-        total = len(ordered)
+        self._total = len(ordered)
         if not ordered:
             return self.stats
         self.clock.restart(ordered[0].arrival_s)
         start = time.perf_counter()
-        tasks: set[asyncio.Task[None]] = set()
+        tasks = self._tasks
         try:
             for req in ordered:
                 delay = req.arrival_s - self.clock.now()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.create_task(self._one(req, total))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                self.stats.sent += 1
-            while tasks:
+                if self.sessions is None or self.sessions.arrive(req):
+                    self._send(req, req.arrival_s)
+            while tasks:  # a finishing turn adds the turns it releases before it leaves
                 await asyncio.wait(set(tasks))
         finally:
             for task in tasks:
                 task.cancel()
             self.stats.duration_s = time.perf_counter() - start
             self.stats.__dict__.update(lag_percentiles_ms(self._lags))
+            if self.sessions is not None:
+                self.stats.held = self.sessions.held_total
         return self.stats
 
-    async def _one(self, req: Request, total: int) -> None:
+    def _send(self, req: Request, due_s: float) -> None:
+        """Send `req` now; it was due at `due_s` (its arrival, or the finish it waited for:
+        the driver's lag is measured from there)."""
+        task = asyncio.create_task(self._one(req, due_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self.stats.sent += 1
+
+    async def _one(self, req: Request, due_s: float) -> None:
         record = await self.dispatch(req, req.arrival_s)
-        self._lags.append(record.sent_s - record.arrival_s)
+        self._lags.append(record.sent_s - due_s)
         self.sink.write([record])
+        if self.sessions is not None:
+            now = self.clock.now()
+            for held in self.sessions.finish(record.trace_id, record.session_id, record.turn):
+                self._send(held, now)
         self.stats.finished += 1
         if record.ok:
             self.stats.ok += 1
@@ -500,4 +521,4 @@ class LoadDriver:
             self.stats.failed += 1
             key = record.error or "unknown"
             self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
-        self.progress(self.stats.finished, total)
+        self.progress(self.stats.finished, self._total)

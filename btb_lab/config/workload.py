@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -65,6 +65,14 @@ class WorkloadSpec(StrictModel):
         "one after another on one timeline, never overlapping.",
     )
     block_tokens: int = Field(512, ge=1, description="Tokens per prefix-hash block.")
+    session_replay: Literal["open", "closed"] = Field(
+        "open",
+        description="open: every request is sent at its arrival time, as the trace recorded "
+        "it (a turn may go before the answer it continues, under a heavier load than the "
+        "trace's). closed: a request of turn k of a session waits until every request of "
+        "the session's earlier turns has finished, then goes at its arrival time or that "
+        "finish, whichever is later (TTFT counts from the send). Both backends.",
+    )
     variation: RepeatVariation | None = Field(
         None,
         description="How repeats of a replay differ: arrival jitter and / or window "

@@ -187,7 +187,8 @@ def _workload(hyp: Hypothesis) -> str:
         assert w.generator is not None
         params = ", ".join(f"{k}={v}" for k, v in sorted(w.generator.params.items()))
         source = f"generator `{w.generator.kind}`" + (f" ({params})" if params else "")
-    return source
+    closed = " with closed sessions (a turn is sent once its session's earlier turns finish)"
+    return source + closed * (w.session_replay == "closed")
 
 
 def _variant_text(hyp: Hypothesis, name: str) -> str:

@@ -34,8 +34,11 @@ from btb_lab.sim.instance import PHASE_DECODE, PHASE_IDLE, utilization_samples
 from btb_lab.sim.jobs import PrefillJob, ReqJob, WarmJob, WarmLogEntry
 from btb_lab.sim.scheduler import PRI_ARRIVAL
 from btb_lab.sim.steps import MixedSteps
+from btb_lab.workload.sessions import SessionGate
 
 __all__ = ["Engine", "EngineResult", "SimInvariantError", "WarmLogEntry"]
+
+EV_RELEASE = 7  # `_run`'s handler index: a held turn of a closed session goes now
 
 
 @dataclass
@@ -51,15 +54,52 @@ class Engine(MixedSteps):
 
     # ---------------------------------------------------------------- run loop
     def run(
-        self, requests: Sequence[Request], emit: Callable[[RequestRecord], None]
+        self,
+        requests: Sequence[Request],
+        emit: Callable[[RequestRecord], None],
+        *,
+        sessions: SessionGate | None = None,
     ) -> EngineResult:
         """Replay `requests` (sorted by arrival, ties by position); `emit` gets each
-        record as its request finishes."""
+        record as its request finishes. With `sessions` (closed session replay) a turn
+        waits for the session's earlier turns to finish."""
         self.emit = emit
+        if sessions is not None:
+            self.emit = self._releasing(emit, sessions)
+            self._on_arrival = self._gated(sessions)  # type: ignore[method-assign,assignment]
         # The run allocates millions of small acyclic objects; the cyclic collector would
         # rescan them over and over (about a third of the run time) for nothing.
         with paused():
-            return self._run(requests)
+            result = self._run(requests)
+        if sessions is not None:
+            if sessions.holding:
+                raise SimInvariantError(f"{sessions.holding} held turns were never sent")
+            result.stats["session_held"] = sessions.held_total
+        return result
+
+    def _gated(self, sessions: SessionGate) -> Callable[[Request], None]:
+        """`_on_arrival` for closed sessions: a turn whose session is still answering an
+        earlier turn is held (`_releasing` sends it)."""
+        route = self._route
+
+        def on_arrival(req: Request) -> None:
+            if sessions.arrive(req):
+                route(req)
+
+        return on_arrival
+
+    def _releasing(
+        self, emit: Callable[[RequestRecord], None], sessions: SessionGate
+    ) -> Callable[[RequestRecord], None]:
+        """`emit`, then the held turns this finish lets go, routed at this instant after
+        everything else that happens at it (as arrivals are)."""
+
+        def emit_and_release(rec: RequestRecord) -> None:
+            emit(rec)
+            for req in sessions.finish(rec.trace_id, rec.session_id, rec.turn):
+                self._push(self.now, PRI_ARRIVAL, EV_RELEASE, 0, req)
+
+        return emit_and_release
 
     def _run(self, requests: Sequence[Request]) -> EngineResult:
         # stable: ties keep their position (a C-level key, not a call per request)
@@ -74,6 +114,7 @@ class Engine(MixedSteps):
             self._on_cache,
             self._on_batch,
             self._on_wake,
+            self._on_release,
         )
         audit = self.audit
         events = 0
@@ -130,7 +171,12 @@ class Engine(MixedSteps):
         return t
 
     # ---------------------------------------------------------------- arrivals
-    def _on_arrival(self, req: Request) -> None:
+    def _on_release(self, _index: int, req: Request) -> None:
+        self._route(req)
+
+    def _route(self, req: Request) -> None:
+        """Route `req` and queue its work: it is sent now (its arrival, or the finish of
+        the turn it waited for)."""
         now = self.now
         view = self.view
         view.now_s = now
@@ -155,7 +201,7 @@ class Engine(MixedSteps):
             session_id=req.session_id,
             instance=insts[d].name,
             route=decision.route,
-            arrival_s=now,
+            arrival_s=req.arrival_s,
             sent_s=now,
             first_token_s=None,
             finish_s=None,
@@ -191,6 +237,8 @@ class Engine(MixedSteps):
                 req, rec, prompt, prefill_inst=p, decode_inst=d, cold=decision.prefill_cold
             )
             self._enqueue(pinst, job)
+
+    _on_arrival = _route  # open replay: every arrival is sent at once (see run)
 
     # ---------------------------------------------------------------- handlers
     def _on_prefill(self, index: int, job: ReqJob | PrefillJob | WarmJob) -> None:

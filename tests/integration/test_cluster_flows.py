@@ -25,6 +25,7 @@ from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.model.costmodel import build_cost_model
 from btb_lab.policies.base import ClusterView, Decision, NoParams, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
+from btb_lab.workload.sessions import SessionGate
 
 
 class ListSink:
@@ -102,7 +103,7 @@ def fakes() -> Iterator[list[tuple[FakeVLLM, Endpoint]]]:
 
 def drive(
     endpoints: list[Endpoint], policy: Policy, requests: list[Request], *,
-    connector: str = "none", timeout_s: float = 10.0,
+    connector: str = "none", timeout_s: float = 10.0, sessions: SessionGate | None = None,
 ) -> tuple[ListSink, Router, Any]:  # fmt: skip
     clock = RunClock()
     sink = ListSink(clock)
@@ -115,7 +116,7 @@ def drive(
                 endpoints, policy, ZeroCosts(), client=client, clock=clock, model="fake-model",
                 prompt_fn=prompt, connector=connector, variant="v",
             )  # fmt: skip
-            stats = await LoadDriver(router.dispatch, sink, clock).run(requests)
+            stats = await LoadDriver(router.dispatch, sink, clock, sessions=sessions).run(requests)
             await router.drain()
             return router, stats
 
@@ -397,3 +398,29 @@ def test_proxy_routes_and_streams(fakes: Any) -> None:
     assert state["instances"][1]["in_flight"] == 0
     assert policy.finished == ["proxy-0"]
     assert router.state.complete_blocks(1, prompt_block_hashes(list(range(40)), 16)) == 2
+
+
+@pytest.mark.parametrize("replay", ["open", "closed"])
+def test_a_closed_session_sends_its_next_turn_at_the_answer(fakes: Any, replay: str) -> None:
+    """Turn 1 streams 50 tokens (~100 ms); turn 2 of the same session arrives 5 ms in.
+    Open: sent at its arrival, while turn 1 still streams. Closed: held until turn 1's
+    last token, then sent (its record keeps the trace's arrival)."""
+    eps = [ep for _, ep in fakes]
+    first = Request("t1", 0.0, 64, 50, (1, 2), 32, session_id="s", turn=1)
+    second = Request("t2", 0.005, 64, 3, (1, 2), 32, session_id="s", turn=2)
+    other = Request("u1", 0.006, 64, 3, (5, 6), 32, session_id="u", turn=1)
+    gate = SessionGate() if replay == "closed" else None
+    sink, _, stats = drive(eps, Scripted(Decision(instance=0)), [first, second, other],
+                           sessions=gate)  # fmt: skip
+    by_id = {r.request_id: r for r in sink.records}
+    assert stats.ok == 3
+    t1, t2, u1 = by_id["t1"], by_id["t2"], by_id["u1"]
+    assert t2.arrival_s == pytest.approx(0.005)
+    assert u1.sent_s < t1.finish_s  # another session never waits
+    if replay == "open":
+        assert t2.sent_s < t1.finish_s  # type: ignore[operator]
+        assert stats.held == 0
+    else:
+        assert t2.sent_s >= t1.finish_s  # type: ignore[operator]
+        assert stats.held == 1
+        assert stats.as_dict()["held"] == 1
