@@ -35,7 +35,7 @@ from btb_lab.cluster.telemetry import (
 )
 from btb_lab.errors import UserError
 from btb_lab.records import EventRecord, Request
-from btb_lab.workload.sessions import SessionGate
+from btb_lab.workload.sessions import session_gate
 
 if TYPE_CHECKING:
     from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
@@ -246,10 +246,9 @@ class ClusterBackend:
                     _scrape_periodically(client, endpoints, clock, every_s, periodic)
                 )
             try:
-                closed = ctx.hypothesis.workload.session_replay == "closed"
                 driver = LoadDriver(
                     router.dispatch, ctx.sink, clock, progress=ctx.progress,
-                    sessions=SessionGate() if closed else None,
+                    sessions=session_gate(ctx.hypothesis.workload.session_replay),
                 )  # fmt: skip
                 stats = await driver.run(requests)
                 await router.drain()

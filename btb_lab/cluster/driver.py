@@ -485,8 +485,10 @@ class LoadDriver:
                 delay = req.arrival_s - self.clock.now()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                if self.sessions is None or self.sessions.arrive(req):
+                if self.sessions is None:
                     self._send(req, req.arrival_s)
+                elif (send_s := self.sessions.arrive(req, self.clock.now())) is not None:
+                    self._send(req, max(send_s, req.arrival_s))
             while tasks:  # a finishing turn adds the turns it releases before it leaves
                 await asyncio.wait(set(tasks))
         finally:
@@ -499,21 +501,25 @@ class LoadDriver:
         return self.stats
 
     def _send(self, req: Request, due_s: float) -> None:
-        """Send `req` now; it was due at `due_s` (its arrival, or the finish it waited for:
-        the driver's lag is measured from there)."""
+        """Send `req` at `due_s` (its arrival, the finish it waited for, or after a think
+        gap: a later time is slept to; the driver's lag is measured from there)."""
         task = asyncio.create_task(self._one(req, due_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self.stats.sent += 1
 
     async def _one(self, req: Request, due_s: float) -> None:
+        delay = due_s - self.clock.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
         record = await self.dispatch(req, req.arrival_s)
         self._lags.append(record.sent_s - due_s)
         self.sink.write([record])
         if self.sessions is not None:
             now = self.clock.now()
-            for held in self.sessions.finish(record.trace_id, record.session_id, record.turn):
-                self._send(held, now)
+            finished = (record.trace_id, record.session_id, record.turn, now)
+            for send_s, held in self.sessions.finish(*finished):
+                self._send(held, send_s)
         self.stats.finished += 1
         if record.ok:
             self.stats.ok += 1

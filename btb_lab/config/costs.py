@@ -52,7 +52,7 @@ class CostSettings(StrictModel):
         False,
         description="A prefill reads the active weights once, as a decode step does: it "
         "takes at least active weight bytes / (HBM bandwidth × costs.mbu) however few its "
-        "new tokens (llama-3.3-70b on 4×H100: 13 ms, the compute of about 180 tokens), so a "
+        "new tokens (llama-3.3-70b on 4×H100: 13.2 ms, the compute of ~185 tokens), so a "
         "prompt found almost whole in cache is not nearly free. Under sim.step_model mixed "
         "a batch's steps pay it once a step, and not beside running decodes, whose steps "
         "read the weights already. False: compute only (the seed simulator). A fitted "

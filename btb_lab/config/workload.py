@@ -8,7 +8,13 @@ from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
 
-__all__ = ["GeneratorSpec", "RepeatVariation", "TraceSpec", "WorkloadSpec"]
+__all__ = [
+    "SESSION_REPLAY_TEXT",
+    "GeneratorSpec",
+    "RepeatVariation",
+    "TraceSpec",
+    "WorkloadSpec",
+]
 
 
 class TraceSpec(StrictModel):
@@ -44,6 +50,14 @@ class RepeatVariation(StrictModel):
     )
 
 
+# How a report's workload line says a closed replay (open says nothing: the default).
+SESSION_REPLAY_TEXT = {
+    "closed": " with closed sessions (a turn is sent once its session's earlier turns finish)",
+    "closed_think": " with closed sessions and think times (a turn is sent its trace gap after "
+    "its session's earlier turns finish)",
+}
+
+
 class WorkloadSpec(StrictModel):
     trace: TraceSpec | None = Field(None, description="Replay a trace file.")
     generator: GeneratorSpec | None = Field(None, description="Generate requests.")
@@ -65,13 +79,15 @@ class WorkloadSpec(StrictModel):
         "one after another on one timeline, never overlapping.",
     )
     block_tokens: int = Field(512, ge=1, description="Tokens per prefix-hash block.")
-    session_replay: Literal["open", "closed"] = Field(
+    session_replay: Literal["open", "closed", "closed_think"] = Field(
         "open",
         description="open: every request is sent at its arrival time, as the trace recorded "
         "it (a turn may go before the answer it continues, under a heavier load than the "
         "trace's). closed: a request of turn k of a session waits until every request of "
         "the session's earlier turns has finished, then goes at its arrival time or that "
-        "finish, whichever is later (TTFT counts from the send). Both backends.",
+        "finish, whichever is later. closed_think: it goes at that finish plus the trace's "
+        "gap before it (the agent's think time; for generated agentic sessions, whose gaps "
+        "are exactly that). TTFT counts from the send. Both backends.",
     )
     variation: RepeatVariation | None = Field(
         None,

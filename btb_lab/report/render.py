@@ -20,6 +20,7 @@ from btb_lab.analysis.scopes import measured_window, rows_where
 from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, read_stored_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
+from btb_lab.config.workload import SESSION_REPLAY_TEXT
 from btb_lab.report import forked
 from btb_lab.report.plots import write_plots
 from btb_lab.report.png import stop_drawing
@@ -187,8 +188,7 @@ def _workload(hyp: Hypothesis) -> str:
         assert w.generator is not None
         params = ", ".join(f"{k}={v}" for k, v in sorted(w.generator.params.items()))
         source = f"generator `{w.generator.kind}`" + (f" ({params})" if params else "")
-    closed = " with closed sessions (a turn is sent once its session's earlier turns finish)"
-    return source + closed * (w.session_replay == "closed")
+    return source + SESSION_REPLAY_TEXT.get(w.session_replay, "")
 
 
 def _variant_text(hyp: Hypothesis, name: str) -> str:

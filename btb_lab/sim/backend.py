@@ -22,7 +22,7 @@ from btb_lab.model.costmodel import RooflineCostModel, build_cost_model
 from btb_lab.policies.base import Policy, build_policy
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.engine import Engine
-from btb_lab.workload.sessions import SessionGate
+from btb_lab.workload.sessions import session_gate
 
 if TYPE_CHECKING:
     from btb_lab.config.hypothesis import Hypothesis
@@ -151,17 +151,17 @@ def run_replay(
     variant: str = "",
     repeat: int = 0,
     events: EventLog | None = None,
-    closed_sessions: bool = False,
+    sessions: str = "open",
 ) -> tuple[list[UtilSample], dict[str, float], list[Policy]]:
     """Run `requests` as `sim.window_replay` says: on one engine (continuous), or each
     trace window on a fresh engine with a freshly built (re-seeded) policy (fresh). A
     fresh window's utilization is kept from its first arrival to the next window's.
-    `closed_sessions`: workload.session_replay closed."""
+    `sessions`: workload.session_replay."""
     if settings.window_replay == "continuous":
         policy = make_policy()
         util, stats, _ = run_engine(
             costs, settings, policy, requests, emit, variant=variant, repeat=repeat,
-            events=events, closed_sessions=closed_sessions,
+            events=events, sessions=sessions,
         )  # fmt: skip
         return util, stats, [policy]
     windows = windows_of(requests)
@@ -173,7 +173,7 @@ def run_replay(
         policies.append(policy)
         util, stats, _ = run_engine(
             costs, settings, policy, window, emit, variant=variant, repeat=repeat,
-            events=events, closed_sessions=closed_sessions,
+            events=events, sessions=sessions,
         )  # fmt: skip
         start_s = window[0].arrival_s
         end_s = windows[n + 1][0].arrival_s if n + 1 < len(windows) else float("inf")
@@ -195,10 +195,11 @@ def run_engine(
     repeat: int = 0,
     audit: bool = False,
     events: EventLog | None = None,
-    closed_sessions: bool = False,
+    sessions: str = "open",
 ) -> tuple[list[UtilSample], dict[str, float], Engine]:
     """Run one engine over `requests`; lower-level than `simulate` (tests and bench).
-    `closed_sessions`: a turn waits for its session's earlier turns (`SessionGate`)."""
+    `sessions` (workload.session_replay): open, or closed / closed_think, under which a
+    turn waits for its session's earlier turns (`SessionGate`)."""
     engine = Engine(
         costs,
         settings,
@@ -209,7 +210,7 @@ def run_engine(
         audit=audit,
         events=events,
     )
-    result = engine.run(requests, emit, sessions=SessionGate() if closed_sessions else None)
+    result = engine.run(requests, emit, sessions=session_gate(sessions))
     return result.utilization, result.stats, engine
 
 
@@ -236,7 +237,7 @@ def simulate(
     util, stats, policies = run_replay(
         costs, resolved.sim, lambda: build_policy(router.policy, router.params, seed=seed),
         requests, records.append, variant=variant_name, repeat=repeat,
-        closed_sessions=hypothesis.workload.session_replay == "closed",
+        sessions=hypothesis.workload.session_replay,
     )  # fmt: skip
     fidelity = fidelity_facts(
         resolved.sim, costs, policies[0], _block_tokens(requests),
@@ -277,7 +278,7 @@ class SimBackend:
         util, stats, policies = run_replay(
             ctx.costs, hyp.sim, lambda: build_policy(router.policy, router.params, seed=ctx.seed),
             requests, emit, variant=ctx.variant_name, repeat=ctx.repeat, events=log,
-            closed_sessions=hyp.workload.session_replay == "closed",
+            sessions=hyp.workload.session_replay,
         )  # fmt: skip
         if buffer:
             ctx.sink.write(buffer)

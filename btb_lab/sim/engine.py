@@ -79,25 +79,30 @@ class Engine(MixedSteps):
 
     def _gated(self, sessions: SessionGate) -> Callable[[Request], None]:
         """`_on_arrival` for closed sessions: a turn whose session is still answering an
-        earlier turn is held (`_releasing` sends it)."""
+        earlier turn is held (`_releasing` sends it); under closed_think a turn whose
+        earlier turns are done goes after its think gap."""
         route = self._route
 
         def on_arrival(req: Request) -> None:
-            if sessions.arrive(req):
+            now = self.now
+            send_s = sessions.arrive(req, now)
+            if send_s == now:
                 route(req)
+            elif send_s is not None:  # closed_think: after the think gap
+                self._push(send_s, PRI_ARRIVAL, EV_RELEASE, 0, req)
 
         return on_arrival
 
     def _releasing(
         self, emit: Callable[[RequestRecord], None], sessions: SessionGate
     ) -> Callable[[RequestRecord], None]:
-        """`emit`, then the held turns this finish lets go, routed at this instant after
-        everything else that happens at it (as arrivals are)."""
+        """`emit`, then the held turns this finish lets go, routed at their send time (this
+        instant, or after a think gap) after everything else at it (as arrivals are)."""
 
         def emit_and_release(rec: RequestRecord) -> None:
             emit(rec)
-            for req in sessions.finish(rec.trace_id, rec.session_id, rec.turn):
-                self._push(self.now, PRI_ARRIVAL, EV_RELEASE, 0, req)
+            for send_s, req in sessions.finish(rec.trace_id, rec.session_id, rec.turn, self.now):
+                self._push(send_s, PRI_ARRIVAL, EV_RELEASE, 0, req)
 
         return emit_and_release
 

@@ -25,7 +25,7 @@ from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.model.costmodel import build_cost_model
 from btb_lab.policies.base import ClusterView, Decision, NoParams, Policy, WarmAction
 from btb_lab.records import Request, RequestRecord
-from btb_lab.workload.sessions import SessionGate
+from btb_lab.workload.sessions import SessionGate, session_gate
 
 
 class ListSink:
@@ -400,16 +400,17 @@ def test_proxy_routes_and_streams(fakes: Any) -> None:
     assert router.state.complete_blocks(1, prompt_block_hashes(list(range(40)), 16)) == 2
 
 
-@pytest.mark.parametrize("replay", ["open", "closed"])
+@pytest.mark.parametrize("replay", ["open", "closed", "closed_think"])
 def test_a_closed_session_sends_its_next_turn_at_the_answer(fakes: Any, replay: str) -> None:
     """Turn 1 streams 50 tokens (~100 ms); turn 2 of the same session arrives 5 ms in.
     Open: sent at its arrival, while turn 1 still streams. Closed: held until turn 1's
-    last token, then sent (its record keeps the trace's arrival)."""
+    last token, then sent (its record keeps the trace's arrival); closed_think: 5 ms (the
+    trace's gap) after that."""
     eps = [ep for _, ep in fakes]
     first = Request("t1", 0.0, 64, 50, (1, 2), 32, session_id="s", turn=1)
     second = Request("t2", 0.005, 64, 3, (1, 2), 32, session_id="s", turn=2)
     other = Request("u1", 0.006, 64, 3, (5, 6), 32, session_id="u", turn=1)
-    gate = SessionGate() if replay == "closed" else None
+    gate = session_gate(replay)
     sink, _, stats = drive(eps, Scripted(Decision(instance=0)), [first, second, other],
                            sessions=gate)  # fmt: skip
     by_id = {r.request_id: r for r in sink.records}
@@ -421,6 +422,7 @@ def test_a_closed_session_sends_its_next_turn_at_the_answer(fakes: Any, replay: 
         assert t2.sent_s < t1.finish_s  # type: ignore[operator]
         assert stats.held == 0
     else:
-        assert t2.sent_s >= t1.finish_s  # type: ignore[operator]
+        think_s = 0.005 if replay == "closed_think" else 0.0
+        assert t2.sent_s >= t1.finish_s + think_s  # type: ignore[operator]
         assert stats.held == 1
         assert stats.as_dict()["held"] == 1
