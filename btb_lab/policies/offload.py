@@ -85,6 +85,14 @@ class OffloadParams(ParamsModel):
         description="Session affinity breaks when the session's instance has load above "
         "this × the mean load (seed OVERLOAD_FACTOR).",
     )
+    overload_min_load: int = Field(
+        0,
+        ge=0,
+        description="Session affinity holds while the session's instance has at most this load "
+        "(running + waiting), whatever the mean: at light load (mean 0.25, home 1) "
+        "overload_factor alone breaks it for one request. 0: overload_factor alone (the "
+        "seed's rule).",
+    )
 
     @model_validator(mode="after")
     def _medium_below_heavy(self) -> OffloadParams:
@@ -138,7 +146,10 @@ class _Offload(Policy):
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         candidates = serving(view)
-        home, _ = self.sessions.place(request, candidates, self.cfg.overload_factor)
+        cfg = self.cfg
+        home, _ = self.sessions.place(
+            request, candidates, cfg.overload_factor, cfg.overload_min_load
+        )
         klass = self.classify(request)
         if klass != HEAVY:
             return Decision(instance=home.index, route=klass)

@@ -48,6 +48,14 @@ class SessionAffinityParams(ParamsModel):
         description="Affinity breaks when the session's instance has load (running + "
         "waiting) above this × the mean load of serving instances (seed OVERLOAD_FACTOR).",
     )
+    overload_min_load: int = Field(
+        0,
+        ge=0,
+        description="Affinity holds while the session's instance has at most this load "
+        "(running + waiting), whatever the mean: at light load (mean 0.25, home 1) "
+        "overload_factor alone breaks it for one request. 0: overload_factor alone (the "
+        "seed's rule).",
+    )
 
 
 class SessionTable:
@@ -68,10 +76,15 @@ class SessionTable:
         return len(self._home)
 
     def place(
-        self, request: Request, candidates: Sequence[InstanceLoad], overload_factor: float
+        self,
+        request: Request,
+        candidates: Sequence[InstanceLoad],
+        overload_factor: float,
+        min_load: int = 0,
     ) -> tuple[InstanceLoad, str]:
         """Pick the instance for `request` and say why (STICKY, NEW, BROKEN, NO_SESSION);
-        binds the session to the pick."""
+        binds the session to the pick. The home is overloaded above `overload_factor` ×
+        the mean load and above `min_load`."""
         session = request.session_id
         if session is None:
             return least_outstanding(candidates), NO_SESSION
@@ -81,7 +94,7 @@ class SessionTable:
             chosen, reason = least_outstanding(candidates), NEW
         else:
             mean_load = sum(inst.load for inst in candidates) / len(candidates)
-            if home.load <= overload_factor * mean_load:
+            if home.load <= max(overload_factor * mean_load, min_load):
                 return home, STICKY
             # Breaking affinity only to land on the same instance would not break it.
             others = [inst for inst in candidates if inst.index != home.index] or [home]
@@ -103,7 +116,10 @@ class SessionAffinity(Policy):
         self.sessions = SessionTable()
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        chosen, reason = self.sessions.place(request, serving(view), self.cfg.overload_factor)
+        cfg = self.cfg
+        chosen, reason = self.sessions.place(
+            request, serving(view), cfg.overload_factor, cfg.overload_min_load
+        )
         return Decision(instance=chosen.index, route=reason)
 
 
@@ -200,7 +216,9 @@ class SessionCount(Policy):
             reason = NEW
         else:
             old = self.sessions.home(session)
-            chosen, reason = self.sessions.place(request, candidates, self.cfg.overload_factor)
+            chosen, reason = self.sessions.place(
+                request, candidates, self.cfg.overload_factor, self.cfg.overload_min_load
+            )
             if old is not None and old != chosen.index:
                 self._members.get(old, set()).discard(session)
         state.in_flight += 1

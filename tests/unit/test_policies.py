@@ -207,6 +207,30 @@ def test_session_affinity_breaks_exactly_past_the_overload_factor(
         assert policy.route(request(session="s"), calm) == Decision(instance=2, route="STICKY")
 
 
+@pytest.mark.parametrize("name", ["session_affinity", "session_count", "ps_always"])
+@pytest.mark.parametrize(
+    ("loads", "min_load", "route"),
+    [
+        ([1, 0, 0, 0], 0, "BROKEN"),  # 1 > 2.0 × mean 0.25: one request breaks it
+        ([1, 0, 0, 0], 2, "STICKY"),  # at most 2 running there: not an overload
+        ([2, 0, 0, 0], 2, "STICKY"),
+        ([3, 0, 0, 0], 2, "BROKEN"),  # above both
+        ([10, 6, 6, 6], 12, "STICKY"),  # 10 ≤ 2.0 × 7: the factor alone keeps it
+    ],
+)
+def test_a_minimum_load_keeps_affinity_at_light_load(
+    name: str, loads: list[int], min_load: int, route: str
+) -> None:
+    """`overload_min_load`: the home is overloaded only above both the factor × mean and
+    this load (the session family shares the rule)."""
+    policy = build_policy(name, {"overload_min_load": min_load})
+    policy.route(request(session="s"), FakeView(cluster([0, 0, 0, 0])))  # binds to 0
+    decision = policy.route(request(session="s"), FakeView(cluster(loads)))
+    assert (decision.instance == 0) == (route == "STICKY")
+    if name == "session_affinity":
+        assert decision.route == route
+
+
 def test_session_affinity_factor_is_a_parameter() -> None:
     policy = build_policy("session_affinity", {"overload_factor": 1.5})
     policy.route(request(session="s"), FakeView(cluster([0, 0])))
