@@ -64,6 +64,17 @@ def _coerce_segment(container: Any, segment: str, where: str) -> str | int:
     return segment
 
 
+def _dotted_key(node: dict[str, Any], segments: list[str], depth: int) -> tuple[str, int]:
+    """The longest run of segments from `depth` that names a key of `node` with dots in it
+    (a variant `of_1.5`: `variants.of_1.5.router`), and the index of its last segment; the
+    one segment itself when none does."""
+    for end in range(len(segments), depth + 1, -1):
+        key = ".".join(segments[depth:end])
+        if key in node:
+            return key, end - 1
+    return segments[depth], depth
+
+
 def apply_overrides(
     data: dict[str, Any],
     overrides: Mapping[str, Any],
@@ -79,9 +90,14 @@ def apply_overrides(
         if not all(segments):
             raise UserError(f"{where}: {dotted!r} has an empty path segment")
         node: Any = result
-        for depth, raw in enumerate(segments):
+        depth = 0
+        while depth < len(segments):
+            raw = segments[depth]
+            if isinstance(node, dict):  # the longest key that exists, dots and all
+                raw, depth = _dotted_key(node, segments, depth)
             seg = _coerce_segment(node, raw, where)
             last = depth == len(segments) - 1
+            depth += 1
             if isinstance(node, list):
                 assert isinstance(seg, int)
                 if not -len(node) <= seg < len(node):
@@ -110,16 +126,22 @@ class _Where:
 
     file: Path | str
     lines: Mapping[PathKey, int]
-    overrides: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
+    overrides: list[tuple[str, str]] = field(default_factory=list)  # (dotted path, origin)
 
     def __call__(self, path: PathKey) -> str:
-        key = tuple(str(p) for p in path)
+        # compared as dotted text, so that a key with dots (variant `of_1.5`) matches
+        key = ".".join(str(p) for p in path)
         written = tuple(path) in self.lines
         for prefix, origin in self.overrides:
             # the override set this path, or made it (a key the file does not have)
-            if key[: len(prefix)] == prefix or (key and not written and prefix[: len(key)] == key):
+            if _within(key, prefix) or (key and not written and _within(prefix, key)):
                 return origin
         return f"{self.file}:{_line_for(path, self.lines)}"
+
+
+def _within(path: str, prefix: str) -> bool:
+    """Whether dotted `path` is `prefix` or lies under it."""
+    return path == prefix or path.startswith(prefix + ".")
 
 
 def _where(
@@ -129,10 +151,9 @@ def _where(
     origins: Mapping[str, str] | None,
 ) -> _Where:
     pairs = [
-        (tuple(dotted.split(".")), (origins or {}).get(dotted) or f"override {dotted}")
-        for dotted in overrides or {}
+        (dotted, (origins or {}).get(dotted) or f"override {dotted}") for dotted in overrides or {}
     ]
-    pairs.sort(key=lambda pair: -len(pair[0]))  # the most specific override first
+    pairs.sort(key=lambda pair: -pair[0].count("."))  # the most specific override first
     return _Where(file, lines, pairs)
 
 

@@ -152,6 +152,25 @@ def test_apply_overrides_indexes_lists_and_copies() -> None:
     assert data == {"a": [{"b": 1}, {"b": 2}]}
 
 
+def test_overrides_reach_keys_with_dots_in_them(tmp_path: Path) -> None:
+    """A variant named `of_1.5` (H7's) is addressed as written; the longest key that
+    exists wins, and a new key is still made segment by segment."""
+    data = {"variants": {"of_1.5": {"router": {"policy": "x"}}, "of_1": {"5": {}}}}
+    out = apply_overrides(data, {"variants.of_1.5.router.policy": "y", "a.b.c": 1})
+    assert out["variants"]["of_1.5"]["router"]["policy"] == "y"
+    assert out["variants"]["of_1"] == {"5": {}}
+    assert out["a"] == {"b": {"c": 1}}
+    text = HYPOTHESIS.replace("  fast:", "  fast.2:").replace("baseline: fast", "baseline: base")
+    loaded = load_text(tmp_path, text, {"variants.fast.2.router.policy": "least_load"})
+    assert loaded.hypothesis.variants["fast.2"].router.policy == "least_load"
+    # a bad value there is blamed on the override, not on a line of the file
+    origins = {"variants.fast.2.router.params.nope": "--set variants.fast.2.router.params.nope=1"}
+    path = tmp_path / "h.yaml"
+    with pytest.raises(ValidationFailed) as info:
+        load_hypothesis(path, {"variants.fast.2.router.params.nope": 1}, origins)
+    assert info.value.problems[0].startswith("--set variants.fast.2.router.params.nope=1: ")
+
+
 def test_resolve_variant_merges_sim_overrides(tmp_path: Path) -> None:
     text = HYPOTHESIS.replace(
         "router: {policy: round_robin}", "router: {policy: round_robin}\n    sim: {mfu: 0.3}"
