@@ -67,7 +67,7 @@ class SessionGate:
             return None
         send_s = max(now_s, self._send_s(session, request))
         session.running[turn] = session.running.get(turn, 0) + 1
-        if send_s > now_s:
+        if send_s > max(now_s, request.arrival_s):  # not a driver that woke early
             self.held_total += 1
         return send_s
 

@@ -111,3 +111,11 @@ def test_the_simulator_sends_the_next_turn_after_the_answer(replay: str) -> None
         assert stats["session_held"] == 1
         assert r2.first_token_s - r2.sent_s == pytest.approx(512 * P_TOK, rel=1e-9)
     assert r1.first_token_s == pytest.approx(4096 * P_TOK, rel=1e-9)
+
+
+def test_a_driver_that_woke_early_sends_at_the_arrival_and_holds_nothing() -> None:
+    """The load driver's sleep may end a little before a request's arrival: the gate says
+    to send it at its arrival, and it is not counted as held (found on the CPU vLLM run)."""
+    for gate in (SessionGate(), SessionGate(think=True)):
+        assert gate.arrive(turn("t1", 1.0, "s", 1), 0.999) == 1.0
+        assert gate.held_total == 0
