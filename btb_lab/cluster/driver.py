@@ -488,7 +488,7 @@ class LoadDriver:
                 if self.sessions is None:
                     self._send(req, req.arrival_s)
                 elif (send_s := self.sessions.arrive(req, self.clock.now())) is not None:
-                    self._send(req, max(send_s, req.arrival_s))
+                    self._send(req, send_s)
             while tasks:  # a finishing turn adds the turns it releases before it leaves
                 await asyncio.wait(set(tasks))
         finally:
@@ -517,8 +517,8 @@ class LoadDriver:
         self.sink.write([record])
         if self.sessions is not None:
             now = self.clock.now()
-            finished = (record.trace_id, record.session_id, record.turn, now)
-            for send_s, held in self.sessions.finish(*finished):
+            released = self.sessions.finish(record.trace_id, record.session_id, record.turn, now)
+            for send_s, held in released:
                 self._send(held, send_s)
         self.stats.finished += 1
         if record.ok:

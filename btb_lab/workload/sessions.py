@@ -22,6 +22,7 @@ from collections import deque
 from btb_lab.records import Request
 
 __all__ = ["SessionGate", "session_gate"]
+
 _Key = tuple[str, str]  # (trace_id, session_id): sessions are per window
 
 
@@ -50,8 +51,8 @@ class SessionGate:
         self.held_total = 0  # requests sent later than their arrival, over the run
 
     def arrive(self, request: Request, now_s: float) -> float | None:
-        """When `request`, arriving now, is sent: `now_s`, a later time (closed_think), or
-        None: held until `finish` returns it."""
+        """When `request`, arriving now, is sent: now (never before its arrival), a later
+        time (closed_think), or None: held until `finish` returns it."""
         if request.session_id is None:
             return now_s
         key = (request.trace_id, request.session_id)
@@ -65,9 +66,10 @@ class SessionGate:
             session.held.append(request)
             self.held_total += 1
             return None
-        send_s = max(now_s, self._send_s(session, request))
+        due_s = max(now_s, request.arrival_s)  # a driver's sleep may end a moment early
+        send_s = max(due_s, self._send_s(session, request))
         session.running[turn] = session.running.get(turn, 0) + 1
-        if send_s > max(now_s, request.arrival_s):  # not a driver that woke early
+        if send_s > due_s:
             self.held_total += 1
         return send_s
 
