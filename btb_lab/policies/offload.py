@@ -39,7 +39,7 @@ from btb_lab.policies.common import (
     require_params,
     serving,
 )
-from btb_lab.policies.session_affinity import SessionTable
+from btb_lab.policies.session_affinity import OverloadFactor, OverloadMinLoad, SessionTable
 from btb_lab.records import Request
 
 __all__ = [
@@ -79,20 +79,8 @@ class OffloadParams(ParamsModel):
         description="Prompts of at least this many tokens (and below heavy) are MEDIUM; "
         "shorter ones are WARM. Only labels the route.",
     )
-    overload_factor: float = Field(
-        2.0,
-        gt=0,
-        description="Session affinity breaks when the session's instance has load above "
-        "this × the mean load (seed OVERLOAD_FACTOR).",
-    )
-    overload_min_load: int = Field(
-        0,
-        ge=0,
-        description="Session affinity holds while the session's instance has at most this load "
-        "(running + waiting), whatever the mean: at light load (mean 0.25, home 1) "
-        "overload_factor alone breaks it for one request. 0: overload_factor alone (the "
-        "seed's rule).",
-    )
+    overload_factor: OverloadFactor = 2.0
+    overload_min_load: OverloadMinLoad = 0
 
     @model_validator(mode="after")
     def _medium_below_heavy(self) -> OffloadParams:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -39,23 +39,32 @@ BROKEN = "BROKEN"  # affinity broke: the session's instance was overloaded
 NO_SESSION = "NO_SESSION"  # request without a session id
 
 
+# The stick / break rule's two knobs, one definition for every policy with sticky sessions.
+OverloadFactor = Annotated[
+    float,
+    Field(
+        gt=0,
+        description="Session affinity breaks when the session's instance has load (running "
+        "+ waiting) above this × the mean load of serving instances (seed OVERLOAD_FACTOR).",
+    ),
+]
+OverloadMinLoad = Annotated[
+    int,
+    Field(
+        ge=0,
+        description="Session affinity holds while the session's instance has at most this "
+        "load (running + waiting), whatever the mean: at light load (mean 0.25, home 1) "
+        "overload_factor alone breaks it for one request. 0: overload_factor alone (the "
+        "seed's rule).",
+    ),
+]
+
+
 class SessionAffinityParams(ParamsModel):
     """Parameters of session-affinity routing."""
 
-    overload_factor: float = Field(
-        2.0,
-        gt=0,
-        description="Affinity breaks when the session's instance has load (running + "
-        "waiting) above this × the mean load of serving instances (seed OVERLOAD_FACTOR).",
-    )
-    overload_min_load: int = Field(
-        0,
-        ge=0,
-        description="Affinity holds while the session's instance has at most this load "
-        "(running + waiting), whatever the mean: at light load (mean 0.25, home 1) "
-        "overload_factor alone breaks it for one request. 0: overload_factor alone (the "
-        "seed's rule).",
-    )
+    overload_factor: OverloadFactor = 2.0
+    overload_min_load: OverloadMinLoad = 0
 
 
 class SessionTable:
