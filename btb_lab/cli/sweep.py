@@ -91,7 +91,6 @@ def register(app: typer.Typer) -> None:
         causal defaults one at a time, cumulatively; writes the sweep of every step, then
         waterfall.csv / .md / .png with the headline per setup and step."""
         from btb_lab.redact import redact_argv
-        from btb_lab.sweep import load_sweep
         from btb_lab.sweep.ablate import run_ablation
         from btb_lab.yamlio import parse_yaml_value
 
@@ -106,10 +105,8 @@ def register(app: typer.Typer) -> None:
             # read with the same checks as `run --set` (no tags, duplicate keys or alias
             # bombs); a problem names the --set, its credential values redacted
             extra[key] = parse_yaml_value(raw, f"--set {redact_argv([f'{key}={raw}'])[0]}")
-        loaded = load_sweep(file)
-        target = out or Path("results") / "ablations" / loaded.spec.name
         outputs = run_ablation(
-            file, profile, out=target, jobs=jobs, executor=executor, extra=extra,
+            file, profile, out=out, jobs=jobs, executor=executor, extra=extra,
             echo=typer.echo,
         )  # fmt: skip
         typer.echo(outputs["waterfall_md"].read_text(encoding="utf-8"))

@@ -156,6 +156,12 @@ def _variant_policies(loaded: LoadedSweep) -> dict[str, str]:
     return {name: v.router.policy for name, v in hyp.variants.items()}
 
 
+def _ablation_steps(profile: str) -> list[AblationStep]:
+    if profile not in ABLATIONS:
+        raise UserError(f"--from: {profile!r} has no ablation; choose: {', '.join(ABLATIONS)}")
+    return ABLATIONS[profile]
+
+
 def step_labels(profile: str) -> list[str]:
     steps = ABLATIONS[profile]
     return [f"0 {profile}"] + [f"{k} {s.label}" for k, s in enumerate(steps, start=1)]
@@ -164,12 +170,9 @@ def step_labels(profile: str) -> list[str]:
 def ablation_sweep(
     loaded: LoadedSweep, profile: str, extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The sweep document of an ablation of `loaded` from `profile`."""
-    if profile not in ABLATIONS:
-        raise UserError(f"--from: {profile!r} has no ablation; choose: {', '.join(ABLATIONS)}")
-    if "step" in loaded.spec.axes:
-        raise UserError(f"{loaded.path}: an axis named 'step' is the ablation's own")
-    steps = ABLATIONS[profile]
+    """The sweep document of an ablation of `loaded` from `profile` (a sweep
+    `check_ablation` accepted: its other problems are found there, at their lines)."""
+    steps = _ablation_steps(profile)
     policies = _variant_policies(loaded)
     labels = step_labels(profile)
     step_axis = {label: _step_overrides(steps, k, policies) for k, label in enumerate(labels)}
@@ -218,8 +221,7 @@ def check_ablation(loaded: LoadedSweep, profile: str) -> tuple[str, str]:
     from btb_lab.errors import ValidationFailed
     from btb_lab.sweep.engine import _baseline_name
 
-    if profile not in ABLATIONS:
-        raise UserError(f"--from: {profile!r} has no ablation; choose: {', '.join(ABLATIONS)}")
+    _ablation_steps(profile)
     spec, path = loaded.spec, loaded.path
     problems: list[str] = []
     if len(spec.axes) != 1:
@@ -300,18 +302,19 @@ def run_ablation(
     sweep_file: Path,
     profile: str,
     *,
-    out: Path,
+    out: Path | None = None,
     jobs: int = 1,
     executor: str | None = None,
     extra: Mapping[str, Any] | None = None,
     echo: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
     """Check the ablation (`check_ablation`), write and run its sweep, then the waterfall
-    table and plot."""
+    table and plot (in `out`, by default results/ablations/<sweep name>/)."""
     from btb_lab.sweep.engine import run_sweep
 
     loaded = load_sweep(sweep_file)
     headline, axis = check_ablation(loaded, profile)
+    out = out or Path("results") / "ablations" / loaded.spec.name
     doc = ablation_sweep(loaded, profile, extra)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "ablation.yaml"
