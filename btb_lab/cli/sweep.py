@@ -45,13 +45,14 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--executor: {executor!r} is not one of: local, ray")
         if dry_run:
             loaded = load_sweep(file)
-            check_points(loaded, plan_tasks(loaded, out or default_sweep_dir(loaded), seed=seed))
             points = expand_points(loaded.spec)
+            target = out or default_sweep_dir(loaded)
+            check_points(loaded, plan_tasks(loaded, target, seed=seed, points=points))
             typer.echo(f"sweep {loaded.spec.name}: base {loaded.base_path}, {len(points)} points")
             for p in points:
                 ov = ", ".join(f"{k}={v}" for k, v in p.overrides.items())
                 typer.echo(f"  {p.point_id}: {ov}")
-            typer.echo(f"output: {out or default_sweep_dir(loaded)}")
+            typer.echo(f"output: {target}")
             return
         outcome = run_sweep(
             file,

@@ -146,8 +146,15 @@ def is_point_complete(task: PointTask, base_digest: str) -> bool:
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
 
 
-def plan_tasks(loaded: LoadedSweep, sweep_dir: Path, *, seed: int | None = None) -> list[PointTask]:
-    """The sweep's points as runnable tasks, each with its own run directory."""
+def plan_tasks(
+    loaded: LoadedSweep,
+    sweep_dir: Path,
+    *,
+    seed: int | None = None,
+    points: Sequence[SweepPoint] | None = None,
+) -> list[PointTask]:
+    """The sweep's points (`points` when the caller expanded them already) as runnable
+    tasks, each with its own run directory."""
     base = str(loaded.base_path)
     chosen_seed = seed if seed is not None else loaded.spec.seed
     return [
@@ -159,7 +166,7 @@ def plan_tasks(loaded: LoadedSweep, sweep_dir: Path, *, seed: int | None = None)
             run_dir=str((sweep_dir / "points" / p.point_id).resolve()),
             seed=chosen_seed,
         )
-        for p in expand_points(loaded.spec)
+        for p in (expand_points(loaded.spec) if points is None else points)
     ]
 
 
@@ -432,7 +439,8 @@ def run_sweep(
         raise UserError(f"--jobs must be 0 (one per core, as memory allows) or more (got {jobs})")
     chosen: Executor = executor or loaded.spec.executor
     sweep_dir = Path(out) if out is not None else default_sweep_dir(loaded)
-    tasks = plan_tasks(loaded, sweep_dir, seed=seed)
+    points = expand_points(loaded.spec)
+    tasks = plan_tasks(loaded, sweep_dir, seed=seed, points=points)
     if validate:
         check_points(loaded, tasks)
     base_digest = _file_digest(loaded.base_path)
@@ -451,7 +459,6 @@ def run_sweep(
         json.dumps(plan_doc, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8"
     )
 
-    points = expand_points(loaded.spec)
     outcome = SweepOutcome(sweep_dir=sweep_dir, points=points)
     todo: list[PointTask] = []
     for task in tasks:
