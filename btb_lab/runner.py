@@ -864,6 +864,8 @@ def _run_one(
             save()
     write_utilization_part(run_dir, name, repeat, result.utilization, record_format)
     write_events_part(run_dir, name, repeat, result.events, record_format)
+    entry.samples = len(result.utilization)
+    entry.events = len(result.events)
     entry.status = "ok"
     manifest.fidelity[name] = dict(result.fidelity)
     manifest.telemetry_source = result.telemetry_source

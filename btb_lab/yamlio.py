@@ -82,7 +82,12 @@ def parse_yaml_value(text: str, label: str) -> Any:
     try:
         data, _ = compose_yaml(text, label)
     except ValidationFailed as exc:
-        problems = [p.replace(f"{label}:1: ", f"{label}: ", 1) for p in exc.problems]
+        problems = [
+            p.replace(f"{label}:1: (top level): ", f"{label}: ", 1).replace(
+                f"{label}:1: ", f"{label}: ", 1
+            )
+            for p in exc.problems
+        ]
         raise UserError("\n".join(problems)) from None
     return data
 
@@ -142,12 +147,16 @@ def _walk_lines(
     if id(node) in seen:  # an alias of a node already walked: its lines are known
         return
     seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
+    if isinstance(node, yaml.ScalarNode):
+        _check_timestamp(node, prefix, problems, path)
+    elif isinstance(node, yaml.MappingNode):
         first: dict[str, int] = {}
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
             line = key_node.start_mark.line + 1
             here = (*prefix, key)
+            if isinstance(key_node, yaml.ScalarNode):
+                _check_timestamp(key_node, here, problems, path)
             if key in first and key != "<<":
                 problems.append(
                     f"{path}:{line}: {dotted(here)}: duplicate key {key!r} "
@@ -161,3 +170,22 @@ def _walk_lines(
             here = (*prefix, index)
             lines.setdefault(here, item.start_mark.line + 1)
             _walk_lines(item, here, lines, problems, path, seen)
+
+
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+
+
+def _check_timestamp(
+    node: yaml.ScalarNode, here: PathKey, problems: list[str], path: Path | str
+) -> None:
+    """A value YAML reads as a date (`2026-02-30`) must be a real one: PyYAML builds it
+    with `datetime`, whose ValueError would otherwise escape as a traceback."""
+    if node.tag != _TIMESTAMP_TAG:
+        return
+    try:
+        yaml.constructor.SafeConstructor().construct_yaml_timestamp(node)
+    except (ValueError, OverflowError) as exc:
+        problems.append(
+            f"{path}:{node.start_mark.line + 1}: {dotted(here)}: {node.value!r} reads as a "
+            f"date or time but is not one ({exc}); quote it to mean text"
+        )

@@ -156,25 +156,41 @@ def read_stored_run(run_dir: Path, frames: StoredFrames | None = None) -> Stored
         return frame if frame is not None else read(run_dir, variants)
 
     all_records = classified(hypothesis, stored(given.requests, read_records))
-    if given.requests is None:
-        _check_records_kept(manifest, run_dir, variants, len(all_records))
-    records, util, exclusion = apply_exclusion(
-        all_records, stored(given.utilization, read_utilization), hypothesis.verdict.exclude
-    )
+    all_util = stored(given.utilization, read_utilization)
+    events = stored(given.events, read_events)
+    for given_frame, n, kept in (
+        (given.requests, len(all_records), _RECORDS),
+        (given.utilization, len(all_util), _SAMPLES),
+        (given.events, len(events), _EVENTS),
+    ):
+        if given_frame is None:
+            _check_kept(manifest, run_dir, variants, n, kept)
+    records, util, exclusion = apply_exclusion(all_records, all_util, hypothesis.verdict.exclude)
     return StoredRun(run_dir, manifest, hypothesis, variants, records, util, exclusion,
-                     all_records, stored(given.events, read_events))  # fmt: skip
+                     all_records, events)  # fmt: skip
 
 
-def _check_records_kept(manifest: Manifest, run_dir: Path, variants: list[str], n: int) -> None:
-    """A run read back must hold every record its manifest counts: with records lost
-    since (parts or parquet deleted, a disk restored from an old copy) its report would be
-    rewritten from what is left, so it is refused and the old report stays."""
-    counted = sum(r.records or 0 for r in manifest.runs if r.variant in variants)
+# what a manifest entry counts (its field), named as the check says it, and its file
+_RECORDS = ("records", "request records", "requests.parquet")
+_SAMPLES = ("samples", "utilization samples", "utilization.parquet")
+_EVENTS = ("events", "events", "events.parquet")
+
+
+def _check_kept(
+    manifest: Manifest, run_dir: Path, variants: list[str], n: int, kept: tuple[str, str, str]
+) -> None:
+    """A run read back must hold every record, utilization sample and event its manifest
+    counts: with some lost since (parts or parquet deleted, a file corrupted, a disk
+    restored from an old copy) its report would be rewritten from what is left (a GPU
+    metric undefined, warm copies unseen), so it is refused and the old report stays.
+    Entries written before a count was kept (None) count nothing."""
+    field, what, name = kept
+    counted = sum(getattr(r, field) or 0 for r in manifest.runs if r.variant in variants)
     if n < counted:
         raise UserError(
-            f"{run_dir}: the manifest counts {counted:,} request records but {n:,} can be "
-            "read (requests.parquet or parts/ missing or cut short); report.md and "
-            "summary.json are left as they were"
+            f"{run_dir}: the manifest counts {counted:,} {what} but {n:,} can be read "
+            f"({name} or parts/ missing or cut short); report.md and summary.json are "
+            "left as they were"
         )
 
 

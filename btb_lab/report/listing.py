@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from btb_lab.analysis.models import Summary
-from btb_lab.errors import UserError
+from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.results import full_runs
+from btb_lab.yamlio import compose_yaml
 
 __all__ = ["HypothesisRow", "latest_verdicts", "list_hypotheses"]
 
@@ -51,8 +50,8 @@ def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
     verdicts = latest_verdicts(results) if results.is_dir() else {}
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError):
+            data, _ = compose_yaml(path.read_text(encoding="utf-8"), path)
+        except (ValidationFailed, OSError, UnicodeDecodeError):
             rows.append(HypothesisRow("?", "(unreadable YAML)", path, None, None))
             continue
         if not isinstance(data, dict) or not isinstance(data.get("id"), str | int):

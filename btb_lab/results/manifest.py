@@ -54,6 +54,8 @@ class RunEntry(_Stored):
     started: str
     finished: str | None = None
     records: int | None = None
+    samples: int | None = Field(None, description="Utilization samples stored.")
+    events: int | None = Field(None, description="Events stored.")
     error: str | None = Field(None, description="One line: the exception of a failed run.")
     error_file: str | None = Field(
         None, description="File in the run directory holding the failed run's traceback."

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
-
 from btb_lab import workers
 from btb_lab.errors import UserError
 from btb_lab.interrupts import Terminated
@@ -37,6 +35,7 @@ from btb_lab.sweep.plan import PointTask, SweepPoint, expand_points, overrides_d
 from btb_lab.sweep.series import point_series, write_series_plots
 from btb_lab.sweep.spec import LoadedSweep, load_sweep
 from btb_lab.sweep.table import build_table, write_outputs
+from btb_lab.yamlio import compose_yaml
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -411,7 +410,7 @@ def read_summaries(tasks: Sequence[PointTask]) -> dict[str, Summary | None]:
 def _baseline_name(loaded: LoadedSweep) -> str:
     if loaded.spec.table.baseline:
         return loaded.spec.table.baseline
-    data = yaml.safe_load(loaded.base_path.read_text(encoding="utf-8")) or {}
+    data = compose_yaml(loaded.base_path.read_text(encoding="utf-8"), loaded.base_path)[0] or {}
     baseline = loaded.spec.overrides.get("baseline", data.get("baseline"))
     if not isinstance(baseline, str):
         raise UserError(f"{loaded.base_path}: base hypothesis names no baseline")
