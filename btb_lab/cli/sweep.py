@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def sweep(
         file: Path = typer.Argument(..., help="Sweep file (see experiments/)."),
-        jobs: int = typer.Option(0, "--jobs", "-j", help=JOBS_HELP),
+        jobs: int = typer.Option(0, "--jobs", "-j", min=0, help=JOBS_HELP),
         executor: str | None = typer.Option(
             None,
             "--executor",
@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "--out", help="Sweep directory (default results/sweeps/<name>/)."
         ),
-        seed: int | None = typer.Option(None, "--seed", help="Master seed for every point."),
+        seed: int | None = typer.Option(None, "--seed", min=0, help="Master seed for every point."),
         dry_run: bool = typer.Option(False, "--dry-run", help="List the points and exit."),
     ) -> None:
         """Run every point of a sweep as its own run directory, skipping finished points
@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
         profile: str = typer.Option(
             "infer-sim", "--from", help="Fidelity profile to start from (sim.profile)."
         ),
-        jobs: int = typer.Option(0, "--jobs", "-j", help=JOBS_HELP),
+        jobs: int = typer.Option(0, "--jobs", "-j", min=0, help=JOBS_HELP),
         executor: str | None = typer.Option(None, "--executor", help="local or ray."),
         out: Path | None = typer.Option(
             None, "--out", help="Output directory (default results/ablations/<name>/)."

@@ -103,7 +103,7 @@ def generate_cmd(
     param: list[str] = typer.Option(
         [], "--param", "-p", help="Generator parameter key=value (repeatable)."
     ),
-    seed: int = typer.Option(0, "--seed", help="Random seed (same seed, same file)."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Random seed (same seed, same file)."),
     block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash block."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
 ) -> None:
@@ -111,6 +111,11 @@ def generate_cmd(
     from btb_lab.workload.trace_checks import check_block_tokens
     from btb_lab.workload.writer import write_bursted_art
 
+    if out.suffix == ".parquet":  # the loaders go by the suffix: JSONL there would not load
+        raise UserError(
+            f"--out {out}: generate writes JSONL; write a .jsonl file and turn it into "
+            "parquet with `btb-lab trace convert`"
+        )
     _check_new_output(out, force)
     check_block_tokens(block_tokens, "--block-tokens")
     requests = generate(

@@ -148,7 +148,9 @@ class KVConnector(StrictModel):
 
 class ClusterSpec(StrictModel):
     instances: list[InstanceGroup] = Field(
-        default_factory=lambda: [InstanceGroup()], description="Instance groups by role."
+        default_factory=lambda: [InstanceGroup()],
+        min_length=1,
+        description="Instance groups by role.",
     )
     kv_connector: KVConnector = Field(
         default_factory=KVConnector, description="KV connector on every instance."

@@ -40,6 +40,7 @@ class RepeatVariation(StrictModel):
     arrival_jitter_s: float = Field(
         0.0,
         ge=0,
+        le=1e9,  # numpy's uniform draw overflows past ~9e307; 1e9 s is 31 years
         description="Move each arrival by a uniform draw in ±this many seconds (after "
         "time_scale); a session's turns keep their order.",
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from btb_lab.analysis.summary import analyze_run
-from btb_lab.errors import UserError
+from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.report.render import entry_context, render_template
 from btb_lab.results import write_atomic
 
@@ -175,6 +175,7 @@ def _append_locked(
     log_path: Path, hid: str, run_id: str, entry: str, *, replace: bool = False
 ) -> None:
     text = read_log(log_path)
+    _check_marks(text, log_path)
     spans = _entry_spans(text, hid, run_id)
     if not spans and replace:
         spans = _entry_spans(text, hid, None)
@@ -190,6 +191,37 @@ def _append_locked(
             text += "\n"
         text += entry
     write_atomic(log_path, text)
+
+
+def _check_marks(text: str, log_path: Path) -> None:
+    """Every tool entry's start marker has its end marker before the next entry: an
+    append finds its run's entry by the pair, and with one of them edited away it would
+    add the entry a second time instead of replacing it."""
+    problems: list[str] = []
+    open_at, open_entry = 0, ""  # the line and `ID run=RUN` of the entry now open
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        mark = _MARK.match(line.strip())
+        if not mark:
+            continue
+        kind, entry = mark.group(1), f"{mark.group(2)} run={mark.group(3)}"
+        if kind == "entry":
+            if open_entry:
+                problems.append(f"{log_path}:{open_at}: the entry of {open_entry} has no end "
+                                f"marker before line {line_no}")  # fmt: skip
+            open_at, open_entry = line_no, entry
+        elif not open_entry:
+            problems.append(f"{log_path}:{line_no}: an end marker without its entry marker")
+        else:
+            if entry != open_entry:
+                problems.append(f"{log_path}:{line_no}: the end marker of {entry} closes the "
+                                f"entry of {open_entry}")  # fmt: skip
+            open_entry = ""
+    if open_entry:
+        problems.append(f"{log_path}:{open_at}: the entry of {open_entry} has no end marker")
+    if problems:
+        raise ValidationFailed(
+            [*problems, f"{log_path}: mend the btb-lab markers by hand; the log is unchanged"]
+        )
 
 
 def parse_log(text: str) -> list[LogEntry]:

@@ -81,7 +81,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
         return
     line_no = 0
     try:
-        with open_trace(path) as raw, io.TextIOWrapper(raw, encoding="utf-8") as handle:
+        with open_trace(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig") as handle:
             for line_no, line in enumerate(handle, start=1):
                 text = line.strip()
                 if not text:

@@ -103,3 +103,92 @@ def test_a_run_with_its_parquet_files_reports_as_before(small_run: Path, tmp_pat
     manifest = json.loads((run / "manifest.json").read_text(encoding="utf-8"))
     assert all(r["samples"] > 0 and r["events"] > 0 for r in manifest["runs"])
     assert cli("report", run).code == 0
+
+
+# ------------------------------------------------------------------ flags and values
+
+
+def test_a_jitter_numpy_cannot_draw_is_refused_before_the_run(tmp_path: Path) -> None:
+    result = cli("run", write_small(tmp_path), "--dry-run",
+                 "--set", "workload.variation.arrival_jitter_s=1e308")  # fmt: skip
+    refused(result, "workload.variation.arrival_jitter_s: Input should be less than or equal")
+
+
+def test_a_negative_seed_for_generate_is_refused(tmp_path: Path) -> None:
+    result = cli("trace", "generate", "poisson", "-o", tmp_path / "g.jsonl",
+                 "-p", "requests=5", "--seed", "-1")  # fmt: skip
+    refused(result, "--seed")
+    assert not (tmp_path / "g.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag", [("--seed", "-1"), ("--jobs", "-3")])
+def test_a_sweep_refuses_a_negative_seed_or_jobs_before_any_point(
+    tmp_path: Path, flag: tuple[str, str]
+) -> None:
+    write_small(tmp_path)
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: hs.yaml\naxes:\n  r:\n    one: {}\n", encoding="utf-8")
+    for dry in (["--dry-run"], ["--out", str(tmp_path / "out")]):
+        refused(cli("sweep", sweep, *flag, *dry), flag[0])
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_refuses_a_parquet_name_for_the_jsonl_it_writes(tmp_path: Path) -> None:
+    refused(cli("trace", "generate", "poisson", "-o", tmp_path / "g.parquet",
+                "-p", "requests=5"), "generate writes JSONL", "trace convert")  # fmt: skip
+    assert not (tmp_path / "g.parquet").exists()
+
+
+def test_a_cluster_without_instances_is_refused_at_its_line(tmp_path: Path) -> None:
+    path = write_small(tmp_path, **{"  instances:\n    - {role: C, count: 2, gpu: H100, gpus: 4}":
+                                    "  instances: []"})  # fmt: skip
+    line = SMALL.splitlines().index("  instances:") + 1
+    refused(cli("validate", path), f"{path}:{line}: cluster.instances: List should have at least")
+
+
+# --------------------------------------------------------------------- trace and log files
+
+
+def test_a_trace_with_a_byte_order_mark_loads_as_without(tmp_path: Path) -> None:
+    from btb_lab.workload.formats import load_trace
+
+    plain = tmp_path / "plain.jsonl"
+    assert cli("trace", "generate", "poisson", "-o", plain, "-p", "requests=20").code == 0
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert cli("trace", "inspect", marked).code == 0
+    a = load_trace(plain, "bursted-art", block_tokens=512, skip_bad_rows=False)
+    b = load_trace(marked, "bursted-art", block_tokens=512, skip_bad_rows=False)
+    assert [r.block_hashes for r in a.requests] == [r.block_hashes for r in b.requests]
+    assert [r.arrival_s for r in a.requests] == [r.arrival_s for r in b.requests]
+    assert len(b.requests) == 20
+    assert not b.bad_rows
+
+
+@pytest.fixture
+def logged(small_run: Path, tmp_path: Path) -> Path:
+    log = tmp_path / "LOG.md"
+    assert cli("log", "append", small_run, "--log", log).code == 0
+    return log
+
+
+@pytest.mark.parametrize("damage", ["end removed", "end made an entry"])
+def test_an_append_refuses_a_log_whose_markers_were_edited(
+    small_run: Path, logged: Path, damage: str
+) -> None:
+    text = logged.read_text(encoding="utf-8")
+    end = next(line for line in text.splitlines() if line.startswith("<!-- btb-lab:end"))
+    new = "" if damage == "end removed" else end.replace("btb-lab:end", "btb-lab:entry")
+    logged.write_text(text.replace(end + "\n", new + ("\n" if new else "")), encoding="utf-8")
+    before = logged.read_bytes()
+    result = cli("log", "append", small_run, "--log", logged)
+    refused(result, f"{logged}:", "has no end marker", "mend the btb-lab markers by hand")
+    assert logged.read_bytes() == before  # not a second copy of the entry
+
+
+def test_appending_the_same_run_twice_still_replaces_its_entry(
+    small_run: Path, logged: Path
+) -> None:
+    before = logged.read_text(encoding="utf-8")
+    assert cli("log", "append", small_run, "--log", logged).code == 0
+    assert logged.read_text(encoding="utf-8") == before
