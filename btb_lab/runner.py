@@ -235,6 +235,10 @@ def plan_run(path: Path, options: RunOptions) -> RunPlan:
             raise UserError(f"{flag} must be at least 1 (got {value})")
     if options.time_scale is not None and options.time_scale <= 0:
         raise UserError(f"--time-scale must be positive (got {options.time_scale})")
+    if options.backend is not None and options.backend not in BACKENDS:
+        raise UserError(f"--backend {options.backend}: choose from {', '.join(BACKENDS)}")
+    if options.variants is not None and not options.variants:
+        raise UserError("--variants: name at least one variant")
     overrides, origins = _overrides(options)
     loaded = load_hypothesis(path, overrides, origins)
     hyp = loaded.hypothesis

@@ -8,6 +8,7 @@ alias bombs are refused with `FILE:LINE: …` problems inside a `ValidationFaile
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,14 @@ import yaml
 
 from btb_lab.errors import UserError, ValidationFailed
 
-__all__ = ["MAX_YAML_NODES", "PathKey", "compose_yaml", "dotted", "parse_yaml_value"]
+__all__ = [
+    "MAX_YAML_NODES",
+    "PathKey",
+    "compose_yaml",
+    "dotted",
+    "parse_assignments",
+    "parse_yaml_value",
+]
 
 PathKey = tuple[str | int, ...]
 # A YAML file whose aliases expand to more nodes than this is refused before anything walks
@@ -90,6 +98,28 @@ def parse_yaml_value(text: str, label: str) -> Any:
         ]
         raise UserError("\n".join(problems)) from None
     return data
+
+
+def parse_assignments(flag: str, items: Iterable[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`flag KEY=VALUE` items (`--set`, `--param`): each value read as YAML with the
+    file's checks, and per key the item it came from (`--set KEY=VALUE`, credential
+    values redacted), which a problem with the value is blamed on. A key given twice is
+    refused, as a YAML file's duplicate key is, rather than the last one winning."""
+    from btb_lab.redact import redact_argv
+
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"{flag} {item!r}: expected KEY=VALUE")
+        label = f"{flag} {redact_argv([f'{key}={raw}'])[0]}"
+        if key in values:
+            raise UserError(f"{label}: {key} is given already ({origins[key]})")
+        values[key] = parse_yaml_value(raw, label)
+        origins[key] = label
+    return values, origins
 
 
 def _check_expansion(root: yaml.Node, path: Path | str) -> None:

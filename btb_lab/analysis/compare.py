@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from btb_lab.analysis.metrics import latency_stat
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
+from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.errors import UserError
 
@@ -151,7 +152,7 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
                 f"{run.run_dir} replays a different workload than {runs[0].run_dir} "
                 f"(workload.{', workload.'.join(keys)} differ)"
             )
-        elif other.hypothesis.seed != first.hypothesis.seed:
+        elif other.hypothesis.seed != first.hypothesis.seed and _seeded(first.hypothesis):
             problems.append(
                 f"{run.run_dir} has seed {other.hypothesis.seed}, {runs[0].run_dir} "
                 f"{first.hypothesis.seed}: generated workloads differ"
@@ -162,6 +163,13 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
             + " (pass --force to compare them anyway)"
         )  # fmt: skip
     return problems
+
+
+def _seeded(hypothesis: Hypothesis) -> bool:
+    """Whether the seed shapes the workload: a generator, or a trace replayed with
+    variation (jitter, resampled windows); a plain trace replays the same requests."""
+    workload = hypothesis.workload
+    return workload.generator is not None or workload.variation is not None
 
 
 def _reference_classes(reference: Sequence[SideRun]) -> pd.Series:

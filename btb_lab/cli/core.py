@@ -44,25 +44,6 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _parse_set(items: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """`--set dotted.path=VALUE` items: the overrides (values read as YAML, with the
-    hypothesis loader's checks) and, per key, the `--set` it came from."""
-    from btb_lab.redact import redact_argv
-    from btb_lab.yamlio import parse_yaml_value
-
-    out: dict[str, Any] = {}
-    origins: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise UserError(f"--set {item!r}: expected dotted.path=value")
-        label = f"--set {redact_argv([f'{key}={value}'])[0]}"
-        out[key] = parse_yaml_value(value, label)
-        origins[key] = label
-    return out, origins
-
-
 def _explain(model: Any, prefix: str = "") -> list[str]:
     """Every schema field with its description (validate --explain)."""
     from pydantic import BaseModel
@@ -164,16 +145,18 @@ def register(app: typer.Typer) -> None:
         """Run every variant × repeat, store the results, print the summary and verdict."""
         from btb_lab.interrupts import exit_code
         from btb_lab.runner import RunInterrupted, RunOptions, run_hypothesis
+        from btb_lab.yamlio import parse_assignments
 
         if jobs < 0:
             raise UserError(f"--jobs must be 0 (one per core) or more (got {jobs})")
-        overrides, origins = _parse_set(set_)
+        overrides, origins = parse_assignments("--set", set_)
         backends = [b.strip() for b in (backend or "").split(",") if b.strip()]
+        chosen = None if variants is None else [v.strip() for v in variants.split(",")]
         options = RunOptions(
             backend=backends[0] if len(backends) == 1 else None, out=out, repeats=repeats,
             requests=requests,
             time_scale=time_scale, seed=seed, dry_run=dry_run,
-            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
+            variants=None if chosen is None else [v for v in chosen if v],
             progress=not no_progress, overrides=overrides, origins=origins, jobs=jobs,
         )  # fmt: skip
         if len(backends) > 1:

@@ -91,21 +91,12 @@ def register(app: typer.Typer) -> None:
         """Assumption waterfall: start from a profile's rules and switch them to btb-lab's
         causal defaults one at a time, cumulatively; writes the sweep of every step, then
         waterfall.csv / .md / .png with the headline per setup and step."""
-        from btb_lab.redact import redact_argv
         from btb_lab.sweep.ablate import run_ablation
-        from btb_lab.yamlio import parse_yaml_value
+        from btb_lab.yamlio import parse_assignments
 
         if executor not in (None, "local", "ray"):
             raise UserError(f"--executor: {executor!r} is not one of: local, ray")
-        extra: dict[str, object] = {}
-        for item in set_:
-            key, sep, raw = item.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise UserError(f"--set {item!r}: expected KEY=VALUE")
-            # read with the same checks as `run --set` (no tags, duplicate keys or alias
-            # bombs); a problem names the --set, its credential values redacted
-            extra[key] = parse_yaml_value(raw, f"--set {redact_argv([f'{key}={raw}'])[0]}")
+        extra, _ = parse_assignments("--set", set_)
         outputs = run_ablation(
             file, profile, out=out, jobs=jobs, executor=executor, extra=extra,
             echo=typer.echo,

@@ -80,18 +80,6 @@ def _load(
     return name, loaded
 
 
-def _parse_params(items: list[str]) -> dict[str, Any]:
-    from btb_lab.yamlio import parse_yaml_value
-
-    params: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--param {item!r}: expected key=value")
-        params[key.strip()] = parse_yaml_value(raw, f"--param {item}") if raw.strip() else None
-    return params
-
-
 @app.command(
     "generate",
     short_help="Generate a workload as bursted-art JSONL.",
@@ -110,6 +98,7 @@ def generate_cmd(
     from btb_lab.workload.generators import GenContext, generate
     from btb_lab.workload.trace_checks import check_block_tokens
     from btb_lab.workload.writer import write_bursted_art
+    from btb_lab.yamlio import parse_assignments
 
     if out.suffix == ".parquet":  # the loaders go by the suffix: JSONL there would not load
         raise UserError(
@@ -119,7 +108,9 @@ def generate_cmd(
     _check_new_output(out, force)
     check_block_tokens(block_tokens, "--block-tokens")
     requests = generate(
-        kind, _parse_params(param), GenContext(seed=seed, block_tokens=block_tokens)
+        kind,
+        parse_assignments("--param", param)[0],
+        GenContext(seed=seed, block_tokens=block_tokens),
     )
     rows = write_bursted_art(requests, out)
     typer.echo(f"wrote {rows} rows to {out}")

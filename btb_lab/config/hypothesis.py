@@ -493,6 +493,21 @@ class Hypothesis(StrictModel):
         """Deprecated spellings this hypothesis used, e.g. `sim.mfu → costs.mfu`."""
         return list(self._aliases)
 
+    @field_validator("classes")
+    @classmethod
+    def _class_names_differ(cls, classes: list[ClassRule]) -> list[ClassRule]:
+        # the first rule that matches names a request: a second rule of one name would
+        # silently split or shadow that class in every table
+        first: dict[str, int] = {}
+        for index, rule in enumerate(classes):
+            if rule.name in first:
+                raise ValueError(
+                    f"class {rule.name!r} is named twice (classes.{first[rule.name]} and "
+                    f"classes.{index})"
+                )
+            first[rule.name] = index
+        return classes
+
     @field_validator("baseline")
     @classmethod
     def _baseline_exists(cls, baseline: str, info: ValidationInfo) -> str:

@@ -46,6 +46,9 @@ def latest_verdicts(results: Path) -> dict[str, tuple[str, str]]:
 
 def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
     """Every `*.yaml` in `folder` that looks like a hypothesis, sorted by file name."""
+    if not folder.is_dir():
+        what = "a file" if folder.exists() else "not found"
+        raise UserError(f"--hypotheses {folder}: {what}; name the folder of hypothesis files")
     rows: list[HypothesisRow] = []
     verdicts = latest_verdicts(results) if results.is_dir() else {}
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):

@@ -192,3 +192,80 @@ def test_appending_the_same_run_twice_still_replaces_its_entry(
     before = logged.read_text(encoding="utf-8")
     assert cli("log", "append", small_run, "--log", logged).code == 0
     assert logged.read_text(encoding="utf-8") == before
+
+
+@pytest.mark.parametrize(
+    "item",
+    ["seed=true", "cluster.instances.0.count=true", "verdict.min_effect=false",
+     "variants.fast.sim.max_batch=true"],
+)  # fmt: skip
+def test_a_boolean_is_no_number(tmp_path: Path, item: str) -> None:
+    # lax validation read `seed: true` as seed 1; a boolean setting still takes true
+    result = cli("run", write_small(tmp_path), "--dry-run", "--set", item)
+    refused(result, f"--set {item}: ", "Input should be a number, not true or false")
+
+
+def test_a_boolean_setting_still_takes_a_boolean(tmp_path: Path) -> None:
+    result = cli("run", write_small(tmp_path), "--dry-run", "--set", "sim.disk_tier=true")
+    assert result.code == 0, result.output
+
+
+# ------------------------------------------------------------------ smaller slips
+
+
+def test_a_class_named_twice_is_refused(tmp_path: Path) -> None:
+    path = write_small(tmp_path, **{"  - name: SHORT": "  - name: LONG"})
+    line = SMALL.splitlines().index("classes:") + 1
+    expected = "classes: class 'LONG' is named twice (classes.0 and classes.1)"
+    refused(cli("validate", path), f"{path}:{line}: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--backend", "nope"], "--backend nope: choose from cluster, sim"),
+        (["--variants", ","], "--variants: name at least one variant"),
+        (["--variants="], "--variants: name at least one variant"),
+        (["--set", "seed=4", "--set", "seed=5"],
+         "--set seed=5: seed is given already (--set seed=4)"),
+    ],
+)  # fmt: skip
+def test_a_dry_run_checks_its_flags_as_a_run_does(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    refused(cli("run", write_small(tmp_path), "--dry-run", *args), expected)
+
+
+def test_a_generator_parameter_given_twice_is_refused(tmp_path: Path) -> None:
+    result = cli("trace", "generate", "poisson", "-o", tmp_path / "g.jsonl",
+                 "-p", "requests=5", "-p", "requests=6")  # fmt: skip
+    refused(result, "--param requests=6: requests is given already (--param requests=5)")
+
+
+def test_listing_a_folder_that_is_not_there_is_an_error(tmp_path: Path) -> None:
+    refused(cli("list", "--hypotheses", tmp_path / "nope"), "--hypotheses", "not found")
+
+
+def test_runs_of_one_trace_with_different_seeds_compare(tmp_path: Path) -> None:
+    # the seed shapes a generated workload, not a trace replayed as it is: compare refused
+    # these as "generated workloads differ"
+    trace = tmp_path / "t.jsonl"
+    assert cli("trace", "generate", "poisson", "-o", trace,
+               "-p", "requests=40", "-p", "rate_per_s=4").code == 0  # fmt: skip
+    path = write_small(tmp_path, **{
+        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        f"  trace: {{path: {trace}, format: bursted-art}}"})  # fmt: skip
+    runs = []
+    for seed in (3, 4):
+        out = tmp_path / f"r{seed}"
+        assert cli("run", path, "--out", out, "--seed", str(seed), "--no-progress").code == 0
+        runs.append(out)
+    result = cli("compare", *runs, "--out", tmp_path / "cmp")
+    assert result.code == 0, result.output
+    generated = []
+    for seed in (3, 4):
+        out = tmp_path / f"g{seed}"
+        small = write_small(tmp_path, name=f"g{seed}.yaml")
+        assert cli("run", small, "--out", out, "--seed", str(seed), "--no-progress").code == 0
+        generated.append(out)
+    refused(cli("compare", *generated, "--out", tmp_path / "cmp2"), "generated workloads differ")
