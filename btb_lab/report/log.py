@@ -154,6 +154,9 @@ def append_entry(
     hid, run_id, entry = render_entry(run_dir, log_path, compare_dir=compare_dir)
     if log_path.is_dir():
         raise UserError(f"--log {log_path}: is a directory, not a log file")
+    folder = next((p for p in log_path.parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise UserError(f"--log {log_path}: {folder} is a file, not a folder")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(log_path):
         _append_locked(log_path, hid, run_id, entry, replace=replace)

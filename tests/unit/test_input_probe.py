@@ -269,3 +269,9 @@ def test_runs_of_one_trace_with_different_seeds_compare(tmp_path: Path) -> None:
         assert cli("run", small, "--out", out, "--seed", str(seed), "--no-progress").code == 0
         generated.append(out)
     refused(cli("compare", *generated, "--out", tmp_path / "cmp2"), "generated workloads differ")
+
+
+def test_a_log_under_a_file_names_the_file(small_run: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("", encoding="utf-8")
+    log = tmp_path / "afile" / "x" / "LOG.md"
+    refused(cli("log", "append", small_run, "--log", log), f"{tmp_path / 'afile'} is a file")
