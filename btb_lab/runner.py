@@ -271,8 +271,9 @@ def _load_requests(
 
 
 def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
-    """What the first repeat's workload left out of its input, said once on the terminal
-    and in the manifest and report: malformed rows skipped, fewer requests than asked."""
+    """What the first repeat's workload left out of its input or may have misread, said
+    once on the terminal and in the manifest and report: malformed rows skipped, fewer
+    requests than asked, timestamps that look like seconds where milliseconds belong."""
     notes = []
     skipped = getattr(requests, "skipped", [])
     if skipped and hyp.workload.trace is not None:
@@ -281,6 +282,16 @@ def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
             f"{hyp.workload.trace.path}: {len(skipped):,} malformed rows skipped "
             f"(skip_bad_rows), first: {skipped[0]}{more}"
         )
+    trace = hyp.workload.trace
+    if trace is not None and requests:
+        from btb_lab.workload.trace_checks import milliseconds_hint
+
+        times = [r.arrival_s for r in requests]
+        windows = len({r.trace_id for r in requests})
+        span_s = max(times) - min(times) - hyp.workload.window_gap_s * (windows - 1)
+        hint = milliseconds_hint(trace.format, len(requests), span_s, hyp.workload.time_scale)
+        if hint is not None:
+            notes.append(f"{trace.path}: {hint}")
     asked = hyp.workload.requests
     if asked is not None and len(requests) < asked:
         notes.append(

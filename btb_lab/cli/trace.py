@@ -133,6 +133,7 @@ def inspect_cmd(
     import json
 
     from btb_lab.workload.summary import trace_summary
+    from btb_lab.workload.trace_checks import milliseconds_hint
 
     name, loaded = _load(path, fmt, block_tokens, skip_bad_rows, time_scale)
     summary: dict[str, Any] = {
@@ -141,6 +142,9 @@ def inspect_cmd(
         "skipped_rows": len(loaded.bad_rows),
     }
     summary |= trace_summary(loaded.requests)
+    hint = milliseconds_hint(name, summary["rows"], summary["span_s"], time_scale)
+    if hint is not None:
+        summary["note"] = hint
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
         return
@@ -170,6 +174,8 @@ def inspect_cmd(
     for source, count in summary["per_source"].items():
         table.add_row(f"  source {source}", f"{count:,}")
     Console().print(table)
+    if hint is not None:
+        typer.echo(f"note: {hint}", err=True)
 
 
 @app.command(

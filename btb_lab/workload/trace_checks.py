@@ -18,6 +18,7 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "check_block_tokens",
     "check_trace_input",
+    "milliseconds_hint",
     "open_trace",
     "token_count",
     "trace_stem",
@@ -102,3 +103,25 @@ def token_count(value: float) -> str:
     if isinstance(value, float) and not (value.is_integer() and abs(value) <= 2**53):
         return f"{value:g}"
     return f"{int(value):,}"
+
+
+# Mooncake's timestamps are milliseconds; a trace whose requests arrive faster than this
+# once read so was most likely written in seconds (the published traces: a few per second).
+SECONDS_LIKELY_PER_S = 1000.0
+
+
+def milliseconds_hint(fmt: str, requests: int, span_s: float, time_scale: float) -> str | None:
+    """What to say when a Mooncake-format trace of `requests` spanning `span_s` (after
+    `time_scale`) arrives too fast for milliseconds: seconds read as milliseconds replay
+    the trace a thousand times denser, with nothing else amiss to give it away."""
+    if fmt != "mooncake" or requests < 100:
+        return None
+    raw_span_s = span_s / time_scale
+    if raw_span_s > 0 and requests / raw_span_s <= SECONDS_LIKELY_PER_S:
+        return None
+    rate = f"{requests / raw_span_s:,.0f} requests/s" if raw_span_s > 0 else "all at once"
+    return (
+        f"Mooncake timestamps are milliseconds; read so, {requests:,} requests arrive in "
+        f"{raw_span_s:.3g} s ({rate}) before time_scale. If this file's timestamps are "
+        f"seconds, multiply time_scale by 1000 (time_scale: {time_scale * 1000:g})"
+    )

@@ -275,3 +275,36 @@ def test_a_log_under_a_file_names_the_file(small_run: Path, tmp_path: Path) -> N
     (tmp_path / "afile").write_text("", encoding="utf-8")
     log = tmp_path / "afile" / "x" / "LOG.md"
     refused(cli("log", "append", small_run, "--log", log), f"{tmp_path / 'afile'} is a file")
+
+
+# ------------------------------------------------- Mooncake timestamps written in seconds
+
+
+def _mooncake(path: Path, rows: int, step: float) -> Path:
+    with path.open("w", encoding="utf-8") as handle:
+        for i in range(rows):
+            row = {"timestamp": round(i * step, 3), "input_length": 600, "output_length": 20,
+                   "hash_ids": [i, i + 1]}  # fmt: skip
+            handle.write(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("step", "hinted"), [(0.5, True), (500.0, False)])
+def test_mooncake_timestamps_that_look_like_seconds_are_pointed_out(
+    tmp_path: Path, step: float, hinted: bool
+) -> None:
+    # 200 requests half a millisecond apart: seconds read as milliseconds, replayed a
+    # thousand times denser with nothing else amiss; half a second apart is a real trace
+    trace = _mooncake(tmp_path / "t.jsonl", 200, step)
+    inspect = cli("trace", "inspect", trace)
+    assert inspect.code == 0, inspect.output
+    assert ("Mooncake timestamps are milliseconds" in inspect.err) is hinted
+    path = write_small(tmp_path, **{
+        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        f"  trace: {{path: {trace}, format: mooncake}}\n  time_scale: 2"})  # fmt: skip
+    dry = cli("run", path, "--dry-run")
+    assert dry.code == 0, dry.output
+    note = "200 requests arrive in 0.0995 s (2,010 requests/s) before time_scale"
+    assert (note in dry.output) is hinted, dry.output
+    if hinted:
+        assert "(time_scale: 2000)" in dry.output
