@@ -163,7 +163,7 @@ def _ablation_steps(profile: str) -> list[AblationStep]:
 
 
 def step_labels(profile: str) -> list[str]:
-    steps = ABLATIONS[profile]
+    steps = _ablation_steps(profile)
     return [f"0 {profile}"] + [f"{k} {s.label}" for k, s in enumerate(steps, start=1)]
 
 
