@@ -172,18 +172,21 @@ def _seeded(hypothesis: Hypothesis) -> bool:
     return workload.generator is not None or workload.variation is not None
 
 
+# a request's class depends on its variant (how much of its prompt was cached, where it
+# was routed): labels are looked up per variant, repeat and request
+_LABEL_KEY = ["variant", "repeat", "request_id"]
+
+
 def _reference_classes(reference: Sequence[SideRun]) -> pd.Series:
-    """(repeat, request_id) → class as the reference side labelled it."""
-    frames = [
-        r.analyzed.records[["repeat", "request_id", "class"]].astype({"request_id": str})
-        for r in reference
-    ]
-    table = pd.concat(frames).drop_duplicates(["repeat", "request_id"], keep="first")
-    return table.set_index(["repeat", "request_id"])["class"]
+    """(variant, repeat, request_id) → class as the reference side labelled it."""
+    frames = [r.analyzed.records[[*_LABEL_KEY, "class"]].astype({"request_id": str})
+              for r in reference]  # fmt: skip
+    table = pd.concat(frames).drop_duplicates(_LABEL_KEY, keep="first")
+    return table.set_index(_LABEL_KEY)["class"]
 
 
 def _relabel(frame: pd.DataFrame, labels: pd.Series) -> pd.DataFrame:
-    keys = pd.MultiIndex.from_frame(frame[["repeat", "request_id"]].astype({"request_id": str}))
+    keys = pd.MultiIndex.from_frame(frame[_LABEL_KEY].astype({"request_id": str}))
     out = frame.copy()
     found = labels.reindex(keys).to_numpy()
     out["class"] = np.where(pd.isna(found), out["class"].to_numpy(), found)

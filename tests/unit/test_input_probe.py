@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tests.helpers import SMALL, cli, write_small
@@ -308,3 +309,36 @@ def test_mooncake_timestamps_that_look_like_seconds_are_pointed_out(
     assert (note in dry.output) is hinted, dry.output
     if hinted:
         assert "(time_scale: 2000)" in dry.output
+
+
+# ---------------------------------------------------------------------- compare labels
+
+
+def test_a_run_compared_with_itself_has_no_gap_in_any_class(tmp_path: Path) -> None:
+    # a request's class can depend on its variant (cached_fraction): the model side took
+    # the baseline's labels for every variant, so least_load's WARM class held other
+    # requests than the reference's and a run differed from itself by +50%
+    trace = Path(__file__).resolve().parents[2] / "experiments/workloads/gamma_200.jsonl"
+    path = write_small(tmp_path, **{
+        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        f"  trace: {{path: {trace}, format: bursted-art}}\n  requests: 60",
+        "  - name: LONG\n    when:\n      - {field: input_tokens, op: \">=\", value: 4000}":
+        "  - name: LONG\n    when:\n      - {field: cached_fraction, op: \">=\", value: 0.5}",
+        "    router: {policy: round_robin}": "    router: {policy: cache_aware}",
+    })  # fmt: skip
+    run = tmp_path / "run"
+    assert cli("run", path, "--out", run, "--no-progress").code == 0
+    result = cli("compare", run, run, "--out", tmp_path / "cmp")
+    assert result.code == 0, result.output
+    gaps = json.loads((tmp_path / "cmp" / "compare.json").read_text(encoding="utf-8"))["gaps"]
+    labelled = {(g["variant"], g["scope"]): (g["n_reference"], g["n_model"]) for g in gaps}
+    assert {scope for _, scope in labelled} == {"all", "LONG", "SHORT"}
+    for (variant, scope), (n_ref, n_model) in labelled.items():
+        assert n_ref == n_model, (variant, scope)
+    for gap in gaps:
+        assert gap["error"] in (0.0, None), gap
+    # the classes differ between the variants here, so the test can tell the labels apart
+    records = pd.read_parquet(run / "requests.parquet")
+    warm = records[records["cached_tokens"] >= 0.5 * records["input_tokens"]]
+    counts = warm.groupby("variant", observed=True).size()
+    assert counts.nunique() > 1, counts
