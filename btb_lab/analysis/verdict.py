@@ -34,9 +34,11 @@ The units and intervals the outcomes are read off live in `intervals.py`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -454,6 +456,65 @@ def evaluate_verdict(
     multiplicity); the strongest result among them is the hypothesis's verdict
     (INCONCLUSIVE when the run is incomplete; a string `incomplete` says why, e.g.
     "run failed: …")."""
+    records, util, same = _distinct_repeats(records, util)
+    verdict = _evaluate(records, util, rule, baseline, variants, seed, failed, incomplete)
+    if same:
+        verdict.reason += "; " + _same_repeats_text(same)
+    return verdict
+
+
+# what says that two repeats ran alike: where each request went, when it ran, whether ok
+_SAME_COLUMNS = ["variant", "request_id", "instance", "arrival_s", "first_token_s",
+                 "finish_s", "ok"]  # fmt: skip
+
+
+def _distinct_repeats(
+    records: pd.DataFrame, util: pd.DataFrame
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[int, int]]:
+    """The records and samples of the repeats that differ from every earlier one, and
+    {later repeat: the earlier one it equals}. A plain trace replayed on the deterministic
+    simulator gives every repeat the same records; counted as new evidence, each copy
+    would narrow the interval (4 copies: by half) and could turn INCONCLUSIVE into
+    VALIDATED with nothing learnt."""
+    if records.empty or records["repeat"].nunique() < 2:
+        return records, util, {}
+    first: dict[bytes, int] = {}
+    same: dict[int, int] = {}
+    for label, rows in records.groupby("repeat", sort=True):
+        repeat = int(cast("int", label))
+        hashed = pd.util.hash_pandas_object(rows[_SAME_COLUMNS], index=False).to_numpy()
+        key = hashlib.blake2b(hashed.tobytes(), digest_size=16).digest()
+        if key in first:
+            same[repeat] = first[key]
+        else:
+            first[key] = repeat
+    if not same:
+        return records, util, {}
+    kept = list(first.values())
+    if not util.empty and "repeat" in util.columns:
+        util = util[util["repeat"].isin(kept)]
+    return records[records["repeat"].isin(kept)], util, same
+
+
+def _same_repeats_text(same: dict[int, int]) -> str:
+    pairs = ", ".join(f"{later + 1} = {earlier + 1}" for later, earlier in same.items())
+    return (
+        f"repeats that replayed an earlier one exactly count once (repeat {pairs}): a "
+        "trace replayed as it is gives the simulator nothing new; workload.variation "
+        "(arrival_jitter_s, resample_windows) makes repeats that measure workload variance"
+    )
+
+
+def _evaluate(
+    records: pd.DataFrame,
+    util: pd.DataFrame,
+    rule: VerdictRule,
+    baseline: str,
+    variants: Sequence[str],
+    seed: int,
+    failed: Sequence[str],
+    incomplete: bool | str,
+) -> Verdict:
     others = [v for v in variants if v != baseline]
     failed_set = set(failed)
     if not others:

@@ -342,3 +342,37 @@ def test_a_run_compared_with_itself_has_no_gap_in_any_class(tmp_path: Path) -> N
     warm = records[records["cached_tokens"] >= 0.5 * records["input_tokens"]]
     counts = warm.groupby("variant", observed=True).size()
     assert counts.nunique() > 1, counts
+
+
+# ------------------------------------------------------------- repeats that are copies
+
+
+def test_repeats_that_replay_an_earlier_one_exactly_count_once(tmp_path: Path) -> None:
+    # a plain trace on the deterministic simulator: every repeat has the same records;
+    # each copy counted as new evidence narrowed the interval (INCONCLUSIVE at 1 repeat,
+    # VALIDATED at 4 with nothing learnt)
+    trace = Path(__file__).resolve().parents[2] / "experiments/workloads/gamma_200.jsonl"
+    path = write_small(tmp_path, **{
+        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        f"  trace: {{path: {trace}, format: bursted-art}}\n  requests: 60"})  # fmt: skip
+    primary = {}
+    reasons = {}
+    for repeats in (1, 4):
+        out = tmp_path / f"r{repeats}"
+        assert cli("run", path, "--out", out, "--repeats", str(repeats), "--no-progress").code == 0
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        verdict = summary["verdict"]["variants"]["fast"]
+        primary[repeats] = {k: verdict["primary"][k] for k in ("change", "ci_low", "ci_high")}
+        reasons[repeats] = summary["verdict"]["reason"]
+    assert primary[4] == primary[1]
+    assert "count once (repeat 2 = 1, 3 = 1, 4 = 1)" in reasons[4]
+    assert "count once" not in reasons[1]
+
+
+def test_repeats_of_a_generated_workload_all_count(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    path = write_small(tmp_path)
+    assert cli("run", path, "--out", out, "--repeats", "3", "--no-progress").code == 0
+    reason = json.loads((out / "summary.json").read_text(encoding="utf-8"))["verdict"]["reason"]
+    assert "count once" not in reason
+    assert "of 3 repeats" in reason
