@@ -675,7 +675,8 @@ def _repeats_needed(
     target — `done` when they already do, else the widest interval's projection (half-
     widths shrink as 1/√repeats), at least one more and at most the cap. Stopping on the
     interval's width, not on where it lies, keeps the rule from steering the verdict; a
-    failed run stops at once."""
+    failed run stops at once, and so does one whose repeats copy each other (a plain trace
+    on the simulator)."""
     auto = hyp.auto_repeats
     if auto is None:
         return hyp.repeats
@@ -684,12 +685,14 @@ def _repeats_needed(
     if done >= auto.max or manifest.failed_variants:
         return done
     from btb_lab.analysis.summary import measured_frames
-    from btb_lab.analysis.verdict import evaluate_verdict
+    from btb_lab.analysis.verdict import distinct_repeats, evaluate_verdict
     from btb_lab.results import read_records, read_utilization
 
     records, util, _ = measured_frames(
         hyp, read_records(run_dir, variants), read_utilization(run_dir, variants)
     )
+    if distinct_repeats(records, util)[2]:
+        return done  # a repeat copied an earlier one: more of them would add nothing
     verdict = evaluate_verdict(records, util, hyp.verdict, baseline=hyp.baseline,
                                variants=variants, seed=hyp.seed)  # fmt: skip
     target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect

@@ -70,6 +70,7 @@ __all__ = [
     "GuardResult",
     "VariantVerdict",
     "Verdict",
+    "distinct_repeats",
     "evaluate_verdict",
     "holm_levels",
 ]
@@ -456,7 +457,7 @@ def evaluate_verdict(
     multiplicity); the strongest result among them is the hypothesis's verdict
     (INCONCLUSIVE when the run is incomplete; a string `incomplete` says why, e.g.
     "run failed: …")."""
-    records, util, same = _distinct_repeats(records, util)
+    records, util, same = distinct_repeats(records, util)
     verdict = _evaluate(records, util, rule, baseline, variants, seed, failed, incomplete)
     if same:
         verdict.reason += "; " + _same_repeats_text(same)
@@ -468,7 +469,7 @@ _SAME_COLUMNS = ["variant", "request_id", "instance", "arrival_s", "first_token_
                  "finish_s", "ok"]  # fmt: skip
 
 
-def _distinct_repeats(
+def distinct_repeats(
     records: pd.DataFrame, util: pd.DataFrame
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[int, int]]:
     """The records and samples of the repeats that differ from every earlier one, and

@@ -376,3 +376,16 @@ def test_repeats_of_a_generated_workload_all_count(tmp_path: Path) -> None:
     reason = json.loads((out / "summary.json").read_text(encoding="utf-8"))["verdict"]["reason"]
     assert "count once" not in reason
     assert "of 3 repeats" in reason
+
+
+def test_auto_repeats_stop_once_a_repeat_copies_an_earlier_one(tmp_path: Path) -> None:
+    trace = Path(__file__).resolve().parents[2] / "experiments/workloads/gamma_200.jsonl"
+    path = write_small(tmp_path, **{
+        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        f"  trace: {{path: {trace}, format: bursted-art}}\n  requests: 60",
+        "repeats: 1":
+        "repeats: auto\nauto_repeats: {min: 2, max: 6, half_width: 0.0001}"})  # fmt: skip
+    out = tmp_path / "r"
+    assert cli("run", path, "--out", out, "--no-progress").code == 0
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    assert sorted({r["repeat"] for r in manifest["runs"]}) == [0, 1]
