@@ -191,12 +191,14 @@ class RunPlan:
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) during a run: finished records are stored and the report
-    rendered. `signum` is the signal that stopped it."""
+    rendered, unless the stop came while it was written (`reported` False: every record
+    is stored, and `btb-lab report DIR` writes it). `signum` is the signal that stopped it."""
 
-    def __init__(self, run_dir: Path, signum: int = 2) -> None:
+    def __init__(self, run_dir: Path, signum: int = 2, *, reported: bool = True) -> None:
         super().__init__(str(run_dir))
         self.run_dir = run_dir
         self.signum = signum
+        self.reported = reported
 
 
 def derive_seed(master: int, *parts: object) -> int:
@@ -517,6 +519,9 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
         run = build_report(run_dir, frames, drawing)
     except OSError as exc:
         raise OutputError(describe_os_error(exc, run_dir)) from None
+    except KeyboardInterrupt as exc:  # the records are all stored: only the report is missing
+        signum = getattr(exc, "signum", signal.SIGINT)
+        raise RunInterrupted(run_dir, signum, reported=False) from None
     if interrupted is not None:
         raise RunInterrupted(run_dir, getattr(interrupted, "signum", signal.SIGINT))
     return RunOutcome(run_dir=run_dir, verdict=run.verdict, summary=run.summary, plan=plan)

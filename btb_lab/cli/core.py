@@ -178,8 +178,10 @@ def register(app: typer.Typer) -> None:
         try:
             outcome = run_hypothesis(file, options)
         except RunInterrupted as exc:
-            typer.echo(f"interrupted: finished records kept in {exc.run_dir} "
-                       f"(report: {exc.run_dir / 'report.md'})", err=True)  # fmt: skip
+            where = (f"report: {exc.run_dir / 'report.md'}" if exc.reported else
+                     f"no report yet: `btb-lab report {exc.run_dir}` writes it")  # fmt: skip
+            typer.echo(f"interrupted: finished records kept in {exc.run_dir} ({where})",
+                       err=True)  # fmt: skip
             raise typer.Exit(exit_code(exc)) from None
         if dry_run:
             assert outcome.plan is not None

@@ -389,3 +389,29 @@ def test_auto_repeats_stop_once_a_repeat_copies_an_earlier_one(tmp_path: Path) -
     assert cli("run", path, "--out", out, "--no-progress").code == 0
     manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     assert sorted({r["repeat"] for r in manifest["runs"]}) == [0, 1]
+
+
+# ------------------------------------------------------------- a stop while reporting
+
+
+def test_a_stop_while_the_report_is_written_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # it ended with exit 130 and not a word, the manifest complete and no report.md
+    import btb_lab.report.render as render
+
+    real = render.build_report
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(render, "build_report", stopped)
+    out = tmp_path / "run"
+    result = cli("run", write_small(tmp_path), "--out", out, "--no-progress")
+    assert result.code == 130, result.output
+    assert f"no report yet: `btb-lab report {out}` writes it" in result.err
+    assert not (out / "report.md").exists()
+    assert (out / "requests.parquet").is_file()
+    monkeypatch.setattr(render, "build_report", real)
+    assert cli("report", out).code == 0
+    assert (out / "report.md").is_file()
