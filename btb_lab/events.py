@@ -45,7 +45,9 @@ def step_arrays(
     """(start_s, end_s, max) runs of a counter that changes by `deltas[i]` at `times[i]`
     (starting from 0): on a grid of `interval_s`, each bin's value is the largest the
     counter took in it; consecutive bins with the same value merge. Changes at the same
-    instant apply together (a finish and an admission at one time are no peak)."""
+    instant apply together (a finish and an admission at one time are no peak). Only bins
+    with changes are computed (a bin without one keeps the value before it), so memory
+    follows the changes, not the span (windows a day apart cost nothing)."""
     if times.size == 0:
         return np.empty(0), np.empty(0), np.empty(0)
     order = np.argsort(times, kind="stable")
@@ -55,37 +57,35 @@ def step_arrays(
     last = np.r_[t[1:] != t[:-1], True]
     value = np.cumsum(d)[last]
     t = t[last]
-    bins = np.floor(t / interval_s).astype(np.int64)
-    first_bin, last_bin = int(bins[0]), int(bins[-1])
-    n = last_bin - first_bin + 1
-    local = bins - first_bin
+    bins, local = np.unique(np.floor(t / interval_s).astype(np.int64), return_inverse=True)
+    n = bins.size
     peak = np.full(n, np.iinfo(np.int64).min)
     np.maximum.at(peak, local, value)
-    # the value at each bin's start: the last value of the latest earlier bin with changes
-    last_in_bin = np.full(n, -1, dtype=np.int64)
+    last_in_bin = np.empty(n, dtype=np.int64)
     last_in_bin[local] = np.arange(local.size)  # later indices overwrite earlier ones
-    carried = np.maximum.accumulate(np.where(last_in_bin >= 0, np.arange(n), -1))
-    start = np.zeros(n, dtype=np.int64)
-    prev = np.r_[-1, carried[:-1]]
-    has_prev = prev >= 0
-    start[has_prev] = value[last_in_bin[prev[has_prev]]]
+    after = value[last_in_bin]  # the value each bin ends with
+    start = np.r_[0, after[:-1]]  # ... and starts with, carried from the bin before
     # a change exactly at a bin's start replaces the carried value for the whole bin
-    first_in_bin = np.full(n, -1, dtype=np.int64)
+    first_in_bin = np.empty(n, dtype=np.int64)
     first_in_bin[local[::-1]] = np.arange(local.size)[::-1]
-    at_start = np.zeros(n, dtype=bool)
-    has = first_in_bin >= 0
-    at_start[has] = t[first_in_bin[has]] <= (first_bin + np.flatnonzero(has)) * interval_s
-    start[at_start] = np.iinfo(np.int64).min
+    start[t[first_in_bin] <= bins * interval_s] = np.iinfo(np.int64).min
     peak = np.maximum(peak, start)
-    cut = np.flatnonzero(np.r_[True, peak[1:] != peak[:-1]])
-    ends = np.r_[cut[1:], n]
-    values = peak[cut].astype(float)
+    # the bins between two with changes hold the earlier one's last value
+    gap = bins[1:] > bins[:-1] + 1
+    seg_bins = np.r_[bins, (bins[:-1] + 1)[gap]]
+    seg_values = np.r_[peak, after[:-1][gap]]
+    order = np.argsort(seg_bins, kind="stable")
+    seg_bins, seg_values = seg_bins[order], seg_values[order]
+    cut = np.flatnonzero(np.r_[True, seg_values[1:] != seg_values[:-1]])
+    begins = seg_bins[cut]
+    ends = np.r_[begins[1:], bins[-1] + 1]
+    values = seg_values[cut].astype(float)
     keep = np.ones(cut.size, dtype=bool)
     if values.size and values[-1] == 0:  # back to zero after the last change
         keep[-1] = False
     return (
-        ((first_bin + cut) * interval_s)[keep].astype(float),
-        ((first_bin + ends) * interval_s)[keep].astype(float),
+        (begins * interval_s)[keep].astype(float),
+        (ends * interval_s)[keep].astype(float),
         values[keep],
     )
 

@@ -464,11 +464,6 @@ def evaluate_verdict(
     return verdict
 
 
-# what says that two repeats ran alike: where each request went, when it ran, whether ok
-_SAME_COLUMNS = ["variant", "request_id", "instance", "arrival_s", "first_token_s",
-                 "finish_s", "ok"]  # fmt: skip
-
-
 def distinct_repeats(
     records: pd.DataFrame, util: pd.DataFrame
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[int, int]]:
@@ -479,11 +474,14 @@ def distinct_repeats(
     VALIDATED with nothing learnt."""
     if records.empty or records["repeat"].nunique() < 2:
         return records, util, {}
+    # two repeats ran alike when every typed column but the repeat agrees, row by row
+    # (object columns hold dicts or None: `extra`, `error`)
+    columns = [c for c in records.columns if c != "repeat" and records[c].dtype != object]
     first: dict[bytes, int] = {}
     same: dict[int, int] = {}
     for label, rows in records.groupby("repeat", sort=True):
         repeat = int(cast("int", label))
-        hashed = pd.util.hash_pandas_object(rows[_SAME_COLUMNS], index=False).to_numpy()
+        hashed = pd.util.hash_pandas_object(rows[columns], index=False).to_numpy()
         key = hashlib.blake2b(hashed.tobytes(), digest_size=16).digest()
         if key in first:
             same[repeat] = first[key]

@@ -192,6 +192,13 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"note: {note}", err=True)
         _print_summary(outcome.summary)
         typer.echo(f"report: {outcome.run_dir / 'report.md'}")
+        from btb_lab.results import Manifest
+
+        failed = Manifest.load(outcome.run_dir).failed_variants
+        if failed:  # a crash is recorded, not hidden: scripts see it in the exit status
+            typer.echo(f"failed runs of {', '.join(failed)}: their tracebacks are in "
+                       f"{outcome.run_dir}", err=True)  # fmt: skip
+            raise typer.Exit(1)
 
     @app.command()
     @user_errors

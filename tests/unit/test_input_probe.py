@@ -415,3 +415,21 @@ def test_a_stop_while_the_report_is_written_says_so(
     monkeypatch.setattr(render, "build_report", real)
     assert cli("report", out).code == 0
     assert (out / "report.md").is_file()
+
+
+def test_a_run_whose_variants_crashed_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every variant failed (a MemoryError in the event runs) and the run exited 0
+    from btb_lab.sim.engine import Engine
+
+    def crash(self: object, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("engine broke")
+
+    monkeypatch.setattr(Engine, "run", crash)
+    out = tmp_path / "run"
+    result = cli("run", write_small(tmp_path), "--out", out, "--no-progress")
+    assert result.code == 1, result.output
+    assert not result.traceback
+    assert f"failed runs of base, fast: their tracebacks are in {out}" in result.err
+    assert (out / "report.md").is_file()

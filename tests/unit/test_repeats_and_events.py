@@ -42,6 +42,16 @@ def test_step_runs_keep_each_interval_s_peak() -> None:
     assert step_runs(np.array([]), np.array([])) == []
 
 
+def test_step_runs_cost_the_changes_not_the_span() -> None:
+    # two busy spells a billion seconds apart: the grid between them held 4e9 bins (a
+    # MemoryError of 30 GiB); the bins without a change keep the value before them
+    runs = step_runs(np.array([0.1, 0.3, 0.6, 1e9, 1e9 + 0.1]), np.array([1, 1, -1, 1, -2]), 0.25)
+    assert runs == [(0.0, 0.25, 1.0), (0.25, 0.75, 2.0), (0.75, 1e9, 1.0), (1e9, 1e9 + 0.25, 2.0)]
+    # a counter back to zero between spells: the zero run between them stays
+    runs = step_runs(np.array([0.0, 0.5, 10.0, 10.2]), np.array([1, -1, 1, -1]), 0.25)
+    assert runs == [(0.0, 0.5, 1.0), (0.5, 10.0, 0.0), (10.0, 10.25, 1.0)]
+
+
 def test_event_log_turns_counter_changes_into_runs() -> None:
     log = EventLog("engine", interval_s=1.0)
     for t, d in ((0.2, 1), (0.4, 1), (1.5, -1), (2.5, -1)):
