@@ -399,7 +399,9 @@ def test_a_stop_while_the_report_is_written_says_so(
 ) -> None:
     # it ended with exit 130 and not a word, the manifest complete and no report.md
     import btb_lab.report.render as render
+    from btb_lab import interrupts
 
+    monkeypatch.setattr(interrupts, "_received", [])  # no SIGTERM left over by another test
     real = render.build_report
 
     def stopped(*args: object, **kwargs: object) -> None:
