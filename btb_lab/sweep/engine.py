@@ -130,7 +130,8 @@ def _point_record(task: PointTask, base_digest: str) -> dict[str, Any]:
 
 
 def is_point_complete(task: PointTask, base_digest: str) -> bool:
-    """True when the point's run finished and was made from the same inputs."""
+    """True when the point's run finished, was made from the same inputs and still has
+    its records (the table's intervals are computed from them)."""
     from btb_lab.results import Manifest
 
     run_dir = Path(task.run_dir)
@@ -141,6 +142,8 @@ def is_point_complete(task: PointTask, base_digest: str) -> bool:
         return False
     if not manifest.complete or not (run_dir / "summary.json").is_file():
         return False
+    if any(r.records for r in manifest.runs) and not (run_dir / "requests.parquet").is_file():
+        return False  # the records it counts are gone: the table would drop the point
     expected = _point_record(task, base_digest)
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
 

@@ -435,3 +435,20 @@ def test_a_run_whose_variants_crashed_exits_1(
     assert not result.traceback
     assert f"failed runs of base, fast: their tracebacks are in {out}" in result.err
     assert (out / "report.md").is_file()
+
+
+def test_a_sweep_reruns_a_point_whose_records_are_gone(tmp_path: Path) -> None:
+    # it counted the point as finished and intervals.csv dropped its rows without a word
+    write_small(tmp_path)
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: hs.yaml\naxes:\n  r:\n    one: {}\n    two: {seed: 4}\n",
+                     encoding="utf-8")  # fmt: skip
+    out = tmp_path / "out"
+    assert cli("sweep", sweep, "--jobs", "1", "--out", out).code == 0
+    victim = sorted((out / "points").iterdir())[0]
+    (victim / "requests.parquet").unlink()
+    shutil.rmtree(victim / "parts", ignore_errors=True)
+    again = cli("sweep", sweep, "--jobs", "1", "--out", out)
+    assert again.code == 0, again.output
+    assert "1 already finished, 1 to run" in again.output
+    assert (victim / "requests.parquet").is_file()
