@@ -452,3 +452,18 @@ def test_a_sweep_reruns_a_point_whose_records_are_gone(tmp_path: Path) -> None:
     assert again.code == 0, again.output
     assert "1 already finished, 1 to run" in again.output
     assert (victim / "requests.parquet").is_file()
+
+
+@pytest.mark.parametrize(
+    "flag", [("--block-tokens", "0"), ("--vocab-size", "0"), ("--max-context", "-5"),
+             ("--max-batch", "0")],
+)  # fmt: skip
+def test_calibrate_refuses_sizes_it_cannot_measure_with(
+    tmp_path: Path, flag: tuple[str, str]
+) -> None:
+    # --block-tokens 0 divided by zero and --vocab-size 0 failed numpy's draw (tracebacks);
+    # the others went on to send requests
+    result = cli("calibrate", "--endpoint", "http://127.0.0.1:1", "--model", "m", *flag,
+                 "-o", tmp_path / "p.yaml")  # fmt: skip
+    refused(result, flag[0])
+    assert not (tmp_path / "p.yaml").exists()
