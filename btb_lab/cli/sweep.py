@@ -96,9 +96,9 @@ def register(app: typer.Typer) -> None:
 
         if executor not in (None, "local", "ray"):
             raise UserError(f"--executor: {executor!r} is not one of: local, ray")
-        extra, _ = parse_assignments("--set", set_)
+        extra, origins = parse_assignments("--set", set_)
         outputs = run_ablation(
-            file, profile, out=out, jobs=jobs, executor=executor, extra=extra,
+            file, profile, out=out, jobs=jobs, executor=executor, extra=extra, origins=origins,
             echo=typer.echo,
         )  # fmt: skip
         typer.echo(outputs["waterfall_md"].read_text(encoding="utf-8"))

@@ -298,6 +298,19 @@ def _markdown(wide: pd.DataFrame, profile: str, headline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _check_extra(
+    loaded: LoadedSweep, profile: str, extra: Mapping[str, Any], origins: Mapping[str, str]
+) -> None:
+    """The `--set` overrides on the ablation's first step (the profile's rules), before
+    anything is written: a bad one is refused once, blamed on its flag, instead of once
+    per point at a line of the ablation.yaml the command writes."""
+    from btb_lab.hypothesis import load_hypothesis
+
+    overrides = {**loaded.spec.overrides, "sim.profile": profile, **extra}
+    labels = {key: origins.get(key, f"--set {key}") for key in extra}
+    load_hypothesis(loaded.base_path, overrides, {"sim.profile": f"--from {profile}", **labels})
+
+
 def run_ablation(
     sweep_file: Path,
     profile: str,
@@ -306,6 +319,7 @@ def run_ablation(
     jobs: int = 1,
     executor: str | None = None,
     extra: Mapping[str, Any] | None = None,
+    origins: Mapping[str, str] | None = None,
     echo: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
     """Check the ablation (`check_ablation`), write and run its sweep, then the waterfall
@@ -314,6 +328,8 @@ def run_ablation(
 
     loaded = load_sweep(sweep_file)
     headline, axis = check_ablation(loaded, profile)
+    if extra:
+        _check_extra(loaded, profile, extra, origins or {})
     out = out or Path("results") / "ablations" / loaded.spec.name
     doc = ablation_sweep(loaded, profile, extra)
     out.mkdir(parents=True, exist_ok=True)

@@ -467,3 +467,17 @@ def test_calibrate_refuses_sizes_it_cannot_measure_with(
                  "-o", tmp_path / "p.yaml")  # fmt: skip
     refused(result, flag[0])
     assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("item", ["foo.bar=1", "repeats=lots"])
+def test_an_ablation_refuses_a_bad_set_once_before_writing(tmp_path: Path, item: str) -> None:
+    # each point refused it at a line of the ablation.yaml the command had written
+    write_small(tmp_path)
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: hs.yaml\naxes:\n  setup:\n    one: {}\n", encoding="utf-8")
+    out = tmp_path / "abl"
+    result = cli("ablate", sweep, "--jobs", "1", "--out", out, "--set", item)
+    refused(result, f"--set {item}: ")
+    assert "ablation.yaml" not in result.output
+    assert result.err.count(f"--set {item}") == 1
+    assert not out.exists()
