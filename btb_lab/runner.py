@@ -296,8 +296,10 @@ def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
             notes.append(f"{trace.path}: {hint}")
     asked = hyp.workload.requests
     if asked is not None and len(requests) < asked:
+        offset = hyp.workload.offset
+        after = f" after workload.offset {offset:,}" if offset else ""
         notes.append(
-            f"workload.requests is {asked:,} but the workload has {len(requests):,}: "
+            f"workload.requests is {asked:,} but the workload has {len(requests):,}{after}: "
             f"all {len(requests):,} replayed"
         )
     return notes

@@ -214,6 +214,8 @@ def register(app: typer.Typer) -> None:
         from btb_lab.report.render import build_report
         from btb_lab.results import resolve_run_dir
 
+        if all_ and target is not None:
+            raise UserError(f"--all re-renders every run under {results}/; drop {target}")
         if all_:
             runs = sorted(p.parent for p in results.glob("*/*/manifest.json"))
             if not runs:

@@ -12,6 +12,9 @@ import pytest
 
 from tests.helpers import SMALL, cli, write_small
 
+# the small hypothesis's workload, which tests replace with a trace
+GENERATOR = "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}"
+
 
 def refused(result, *expected: str) -> None:
     assert result.code == 2, result.output
@@ -254,7 +257,7 @@ def test_runs_of_one_trace_with_different_seeds_compare(tmp_path: Path) -> None:
     assert cli("trace", "generate", "poisson", "-o", trace,
                "-p", "requests=40", "-p", "rate_per_s=4").code == 0  # fmt: skip
     path = write_small(tmp_path, **{
-        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        GENERATOR:
         f"  trace: {{path: {trace}, format: bursted-art}}"})  # fmt: skip
     runs = []
     for seed in (3, 4):
@@ -301,7 +304,7 @@ def test_mooncake_timestamps_that_look_like_seconds_are_pointed_out(
     assert inspect.code == 0, inspect.output
     assert ("Mooncake timestamps are milliseconds" in inspect.err) is hinted
     path = write_small(tmp_path, **{
-        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        GENERATOR:
         f"  trace: {{path: {trace}, format: mooncake}}\n  time_scale: 2"})  # fmt: skip
     dry = cli("run", path, "--dry-run")
     assert dry.code == 0, dry.output
@@ -320,7 +323,7 @@ def test_a_run_compared_with_itself_has_no_gap_in_any_class(tmp_path: Path) -> N
     # requests than the reference's and a run differed from itself by +50%
     trace = Path(__file__).resolve().parents[2] / "experiments/workloads/gamma_200.jsonl"
     path = write_small(tmp_path, **{
-        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        GENERATOR:
         f"  trace: {{path: {trace}, format: bursted-art}}\n  requests: 60",
         "  - name: LONG\n    when:\n      - {field: input_tokens, op: \">=\", value: 4000}":
         "  - name: LONG\n    when:\n      - {field: cached_fraction, op: \">=\", value: 0.5}",
@@ -353,7 +356,7 @@ def test_repeats_that_replay_an_earlier_one_exactly_count_once(tmp_path: Path) -
     # VALIDATED at 4 with nothing learnt)
     trace = Path(__file__).resolve().parents[2] / "experiments/workloads/gamma_200.jsonl"
     path = write_small(tmp_path, **{
-        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        GENERATOR:
         f"  trace: {{path: {trace}, format: bursted-art}}\n  requests: 60"})  # fmt: skip
     primary = {}
     reasons = {}
@@ -381,7 +384,7 @@ def test_repeats_of_a_generated_workload_all_count(tmp_path: Path) -> None:
 def test_auto_repeats_stop_once_a_repeat_copies_an_earlier_one(tmp_path: Path) -> None:
     trace = Path(__file__).resolve().parents[2] / "experiments/workloads/gamma_200.jsonl"
     path = write_small(tmp_path, **{
-        "  generator:\n    kind: poisson\n    params: {requests: 60, rate_per_s: 4.0}":
+        GENERATOR:
         f"  trace: {{path: {trace}, format: bursted-art}}\n  requests: 60",
         "repeats: 1":
         "repeats: auto\nauto_repeats: {min: 2, max: 6, half_width: 0.0001}"})  # fmt: skip
@@ -481,3 +484,22 @@ def test_an_ablation_refuses_a_bad_set_once_before_writing(tmp_path: Path, item:
     assert "ablation.yaml" not in result.output
     assert result.err.count(f"--set {item}") == 1
     assert not out.exists()
+
+
+def test_report_all_with_a_target_is_refused(small_run: Path) -> None:
+    # the target was ignored without a word
+    refused(cli("report", "--all", small_run), "--all re-renders every run", "drop")
+
+
+def test_the_note_on_fewer_requests_names_the_offset(tmp_path: Path) -> None:
+    trace = tmp_path / "g.jsonl"
+    assert cli("trace", "generate", "poisson", "-o", trace, "-p", "requests=50").code == 0
+    path = write_small(tmp_path, **{
+        GENERATOR:
+        f"  trace: {{path: {trace}, format: bursted-art}}\n  offset: 40\n"
+        "  requests: 30"})  # fmt: skip
+    result = cli("run", path, "--dry-run")
+    assert result.code == 0, result.output
+    assert (
+        "workload.requests is 30 but the workload has 10 after workload.offset 40" in result.output
+    )
