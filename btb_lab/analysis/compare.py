@@ -144,6 +144,13 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
                 f"{run.run_dir} is hypothesis {other.hypothesis.id!r}, {runs[0].run_dir} is "
                 f"{first.hypothesis.id!r}"
             )
+        for what, mine, theirs in (
+            ("model", first.hypothesis.model, other.hypothesis.model),
+            ("cluster.instances", first.hypothesis.cluster.instances,
+             other.hypothesis.cluster.instances),
+        ):  # fmt: skip
+            if mine != theirs:
+                problems.append(f"{run.run_dir} ran another {what} than {runs[0].run_dir}")
         a = first.hypothesis.workload.model_dump(mode="json")
         b = other.hypothesis.workload.model_dump(mode="json")
         if a != b:
@@ -162,6 +169,14 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
             "runs of different experiments: " + "; ".join(problems)
             + " (pass --force to compare them anyway)"
         )  # fmt: skip
+    for run in runs:  # compared all the same, said
+        manifest = run.analyzed.manifest
+        if not manifest.complete:
+            problems.append(f"{run.run_dir} is incomplete (stopped or failed): its numbers "
+                            "cover the runs that finished")  # fmt: skip
+        if manifest.failed_variants:
+            problems.append(f"{run.run_dir}: runs of {', '.join(manifest.failed_variants)} "
+                            "failed")  # fmt: skip
     return problems
 
 

@@ -503,3 +503,22 @@ def test_the_note_on_fewer_requests_names_the_offset(tmp_path: Path) -> None:
     assert (
         "workload.requests is 30 but the workload has 10 after workload.offset 40" in result.output
     )
+
+
+def test_compare_says_a_run_is_incomplete(small_run: Path, tmp_path: Path) -> None:
+    stopped = tmp_path / "stopped"
+    shutil.copytree(small_run, stopped)
+    manifest = json.loads((stopped / "manifest.json").read_text(encoding="utf-8"))
+    manifest["complete"] = False
+    (stopped / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    result = cli("compare", small_run, stopped, "--out", tmp_path / "cmp")
+    assert result.code == 0, result.output
+    assert f"warning: {stopped} is incomplete (stopped or failed)" in result.err
+
+
+def test_compare_refuses_runs_of_another_model(small_run: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    path = write_small(tmp_path)
+    assert cli("run", path, "--out", other, "--set", "model=qwen3-8b", "--no-progress").code == 0
+    refused(cli("compare", small_run, other, "--out", tmp_path / "cmp"),
+            f"{other} ran another model than {small_run}", "--force")  # fmt: skip
