@@ -325,6 +325,19 @@ def _semantic_problems(
     # variant overrides of sim / costs / cluster
     block_problems = _variant_block_problems(hyp, file=file, data=data, lines=lines, where=where)
     problems += block_problems
+    if not block_problems:  # the roles a policy routes every request to, in its cluster
+        for name, variant in hyp.variants.items():
+            if variant.router.policy not in POLICIES:
+                continue
+            cluster = ClusterSpec.model_validate(
+                deep_merge(hyp.cluster.model_dump(by_alias=True), variant.cluster)
+            )
+            roles = {group.role for group in cluster.instances}
+            for role in POLICIES.get(variant.router.policy).needs_roles:
+                if role not in roles:
+                    add(("variants", name, "router", "policy"),
+                        f"policy {variant.router.policy!r} needs at least one instance with "
+                        f"role {role} in cluster.instances")  # fmt: skip
 
     # cost profiles (top level and per variant), read and checked now, not at run time
     profiles: list[tuple[PathKey, Any]] = [(("costs",), hyp.costs.model)]

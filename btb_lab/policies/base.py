@@ -140,6 +140,8 @@ class Policy:
     Params: ClassVar[type[StrictModel]] = NoParams
     # why the cluster backend cannot carry this policy out (None: it can)
     cluster_refusal: ClassVar[str | None] = None
+    # roles every request is routed to, checked against the cluster when a hypothesis loads
+    needs_roles: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
         self.params = params

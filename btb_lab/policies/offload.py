@@ -323,6 +323,7 @@ class PDSplit(Policy):
 
     name: ClassVar[str] = "pd_split"
     Params: ClassVar[type[StrictModel]] = PDSplitParams
+    needs_roles: ClassVar[tuple[str, ...]] = ("PS", "C")
 
     def __init__(self, params: StrictModel, *, seed: int = 0) -> None:
         super().__init__(params, seed=seed)

@@ -522,3 +522,27 @@ def test_compare_refuses_runs_of_another_model(small_run: Path, tmp_path: Path) 
     assert cli("run", path, "--out", other, "--set", "model=qwen3-8b", "--no-progress").code == 0
     refused(cli("compare", small_run, other, "--out", tmp_path / "cmp"),
             f"{other} ran another model than {small_run}", "--force")  # fmt: skip
+
+
+ONE_GROUP = "    - {role: C, count: 2, gpu: H100, gpus: 4}"
+PD_SPLIT = {"    router: {policy: round_robin}": "    router: {policy: pd_split}"}
+
+
+@pytest.mark.parametrize(("roles", "missing"), [("PS", "C"), ("C", "PS")])
+def test_pd_split_without_a_pool_it_needs_is_refused_at_validate(
+    tmp_path: Path, roles: str, missing: str
+) -> None:
+    # validate said ok; the run ran the baseline, then failed on pd_split
+    group = ONE_GROUP.replace("role: C", f"role: {roles}")
+    path = write_small(tmp_path, **{ONE_GROUP: group}, **PD_SPLIT)
+    line = SMALL.splitlines().index("    router: {policy: round_robin}") + 1
+    needs = f"'pd_split' needs at least one instance with role {missing} in cluster.instances"
+    refused(cli("validate", path), f"{path}:{line}: variants.fast.router.policy: policy {needs}")
+
+
+def test_pd_split_with_both_pools_validates(tmp_path: Path) -> None:
+    both = ONE_GROUP.replace("count: 2", "count: 1")
+    path = write_small(tmp_path, **{ONE_GROUP: f"{both}\n{both.replace('role: C', 'role: PS')}"},
+                       **PD_SPLIT)  # fmt: skip
+    result = cli("validate", path)
+    assert result.code == 0, result.output
