@@ -83,7 +83,8 @@ def register(app: typer.Typer) -> None:
             from btb_lab.config.hypothesis import Hypothesis
 
             typer.echo("\n".join(_explain(Hypothesis)))
-            return
+            if not files:
+                return
         if not files:
             raise UserError("give at least one hypothesis file")
         from btb_lab.errors import ValidationFailed

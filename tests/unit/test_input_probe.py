@@ -546,3 +546,10 @@ def test_pd_split_with_both_pools_validates(tmp_path: Path) -> None:
                        **PD_SPLIT)  # fmt: skip
     result = cli("validate", path)
     assert result.code == 0, result.output
+
+
+def test_validate_explain_with_files_still_checks_them(tmp_path: Path) -> None:
+    # the files were ignored and a broken one exited 0
+    path = write_small(tmp_path, **{"repeats: 1": "repeats: many"})
+    result = cli("validate", "--explain", path)
+    refused(result, "verdict.min_ok_requests:", f"{path}:")
