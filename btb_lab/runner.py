@@ -549,11 +549,22 @@ def _new_manifest(
         requests_per_run=requests_per_run,
         notes=plan.notes,
         runs_planned=len(plan.variants) * plan.repeats,
+        trace=_trace_stamp(plan),
         versions=versions,
         git=_git_commit(loaded.base_dir),
         host={"hostname": socket.gethostname(), "platform": platform.platform()},
         started=_now(),
     )
+
+
+def _trace_stamp(plan: RunPlan) -> dict[str, Any] | None:
+    workload = plan.hypothesis.workload
+    if workload.trace is None:
+        return None
+    from btb_lab.workload.loader import trace_path
+    from btb_lab.workload.trace_checks import trace_stamp
+
+    return trace_stamp(trace_path(workload, plan.loaded.base_dir))
 
 
 def _open_run_dir(run_dir: Path, manifest: Manifest) -> None:

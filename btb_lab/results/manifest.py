@@ -86,6 +86,11 @@ class Manifest(_Stored):
         "skipped, fewer requests than asked), said in the report and on the terminal.",
     )
     runs_planned: int
+    trace: dict[str, Any] | None = Field(
+        None,
+        description="The replayed trace file: path, size and a digest of its ends "
+        "(`trace_stamp`), so that a file changed since is noticed.",
+    )
     runs: list[RunEntry] = Field(default_factory=list)
     fidelity: dict[str, dict[str, Any]] = Field(default_factory=dict)
     telemetry_source: str | None = None

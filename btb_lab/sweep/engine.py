@@ -144,8 +144,19 @@ def is_point_complete(task: PointTask, base_digest: str) -> bool:
         return False
     if any(r.records for r in manifest.runs) and not (run_dir / "requests.parquet").is_file():
         return False  # the records it counts are gone: the table would drop the point
+    if manifest.trace is not None and not _same_trace(manifest.trace):
+        return False  # its trace file was changed (or removed) since
     expected = _point_record(task, base_digest)
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
+
+
+def _same_trace(stamp: dict[str, Any]) -> bool:
+    from btb_lab.workload.trace_checks import trace_stamp
+
+    try:
+        return trace_stamp(Path(stamp["path"])) == stamp
+    except (OSError, KeyError, TypeError):
+        return False
 
 
 def plan_tasks(

@@ -28,6 +28,7 @@ __all__ = [
     "WorkloadCache",
     "apply_time_scale",
     "load_requests",
+    "trace_path",
     "validate_workload_spec",
 ]
 
@@ -86,7 +87,8 @@ class WorkloadCache:
         )
 
 
-def _trace_path(spec: WorkloadSpec, base_dir: Path) -> Path:
+def trace_path(spec: WorkloadSpec, base_dir: Path) -> Path:
+    """The trace file a workload replays (relative paths: from the hypothesis's folder)."""
     assert spec.trace is not None
     path = Path(spec.trace.path)
     return path if path.is_absolute() else base_dir / path
@@ -105,7 +107,7 @@ def validate_workload_spec(spec: WorkloadSpec, base_dir: Path) -> None:
                 f"workload.trace.format: unknown trace format {spec.trace.format!r}; "
                 f"choose one of: {', '.join(FORMATS.names())}"
             )
-        path = _trace_path(spec, base_dir)
+        path = trace_path(spec, base_dir)
         if path.is_dir():
             problems.append(f"workload.trace.path: {path}: is a directory, not a trace file")
         elif not path.is_file():
@@ -178,7 +180,7 @@ def _load_requests(
 ) -> RequestList:
     validate_workload_spec(spec, base_dir)
     if spec.trace is not None:
-        path = _trace_path(spec, base_dir)
+        path = trace_path(spec, base_dir)
         loaded = (load_trace if cache is None else cache.load)(
             path,
             spec.trace.format,

@@ -553,3 +553,48 @@ def test_validate_explain_with_files_still_checks_them(tmp_path: Path) -> None:
     path = write_small(tmp_path, **{"repeats: 1": "repeats: many"})
     result = cli("validate", "--explain", path)
     refused(result, "verdict.min_ok_requests:", f"{path}:")
+
+
+# --------------------------------------------------------- a trace changed in place
+
+
+def _trace_run(tmp_path: Path, trace: Path, out: Path) -> Path:
+    path = write_small(tmp_path, **{GENERATOR: f"  trace: {{path: {trace}, format: bursted-art}}"})
+    assert cli("run", path, "--out", out, "--no-progress").code == 0
+    return path
+
+
+def test_compare_refuses_runs_of_a_trace_changed_in_between(tmp_path: Path) -> None:
+    # the manifest kept only the path: runs of two versions of one file compared as one
+    # experiment (E2E errors of +6,898%)
+    trace = tmp_path / "t.jsonl"
+    assert cli("trace", "generate", "poisson", "-o", trace, "-p", "requests=40").code == 0
+    _trace_run(tmp_path, trace, tmp_path / "a")
+    stamp = json.loads((tmp_path / "a" / "manifest.json").read_text(encoding="utf-8"))["trace"]
+    assert stamp["path"] == str(trace.resolve())
+    assert stamp["bytes"] == trace.stat().st_size
+    _trace_run(tmp_path, trace, tmp_path / "b")  # the file as it was: the same experiment
+    assert cli("compare", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "c1").code == 0
+    rows = [json.loads(line) for line in trace.read_text(encoding="utf-8").splitlines()]
+    with trace.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps({**row, "output_length": 1}) + "\n")
+    _trace_run(tmp_path, trace, tmp_path / "e")
+    refused(cli("compare", tmp_path / "a", tmp_path / "e", "--out", tmp_path / "c2"),
+            "replayed another version of the trace file")  # fmt: skip
+
+
+def test_a_sweep_reruns_points_whose_trace_changed(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert cli("trace", "generate", "poisson", "-o", trace, "-p", "requests=40").code == 0
+    write_small(tmp_path, **{GENERATOR: f"  trace: {{path: {trace}, format: bursted-art}}"})
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: hs.yaml\naxes:\n  r:\n    one: {}\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert cli("sweep", sweep, "--jobs", "1", "--out", out).code == 0
+    assert "1 already finished" in cli("sweep", sweep, "--jobs", "1", "--out", out).output
+    text = trace.read_text(encoding="utf-8")
+    trace.write_text(text.replace('"output_length":', '"output_length":1'), encoding="utf-8")
+    again = cli("sweep", sweep, "--jobs", "1", "--out", out)
+    assert again.code == 0, again.output
+    assert "0 already finished, 1 to run" in again.output
