@@ -53,8 +53,9 @@ class SessionGate:
     def arrive(self, request: Request, now_s: float) -> float | None:
         """When `request`, arriving now, is sent: now (never before its arrival), a later
         time (closed_think), or None: held until `finish` returns it."""
+        due_s = max(now_s, request.arrival_s)  # a driver's sleep may end a moment early
         if request.session_id is None:
-            return now_s
+            return due_s
         key = (request.trace_id, request.session_id)
         session = self._sessions.get(key)
         if session is None:
@@ -66,7 +67,6 @@ class SessionGate:
             session.held.append(request)
             self.held_total += 1
             return None
-        due_s = max(now_s, request.arrival_s)  # a driver's sleep may end a moment early
         send_s = max(due_s, self._send_s(session, request))
         session.running[turn] = session.running.get(turn, 0) + 1
         if send_s > due_s:

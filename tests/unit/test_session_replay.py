@@ -118,4 +118,5 @@ def test_a_driver_that_woke_early_sends_at_the_arrival_and_holds_nothing() -> No
     to send it at its arrival, and it is not counted as held (found on the CPU vLLM run)."""
     for gate in (SessionGate(), SessionGate(think=True)):
         assert gate.arrive(turn("t1", 1.0, "s", 1), 0.999) == 1.0
+        assert gate.arrive(turn("n1", 2.0, None, 1), 1.999) == 2.0  # nor one without a session
         assert gate.held_total == 0
