@@ -20,7 +20,7 @@ from btb_lab.config.costs import CostSettings, ProfileRef, move_sim_aliases
 from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.config.sim import SimSettings
-from btb_lab.config.variants import deep_merge
+from btb_lab.config.variants import deep_merge, resolve_variant
 from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.model.hardware import GPU_PRESETS, MODEL_PRESETS, no_query_width, resolve_model
 from btb_lab.model.profile import load_profile
@@ -329,10 +329,7 @@ def _semantic_problems(
         for name, variant in hyp.variants.items():
             if variant.router.policy not in POLICIES:
                 continue
-            cluster = ClusterSpec.model_validate(
-                deep_merge(hyp.cluster.model_dump(by_alias=True), variant.cluster)
-            )
-            roles = {group.role for group in cluster.instances}
+            roles = {group.role for group in resolve_variant(hyp, name).cluster.instances}
             for role in POLICIES.get(variant.router.policy).needs_roles:
                 if role not in roles:
                     add(("variants", name, "router", "policy"),
