@@ -246,6 +246,495 @@ done:
     return out;
 }
 
+
+/* ---- IdScanner: the `hash_ids` arrays of a JSONL chunk, read without pyarrow ----------
+ *
+ * pyarrow's JSON reader spends most of a long-prefix trace's load building a list<string>
+ * column of every block id occurrence, which the loader then dictionary-encodes, hashes
+ * per distinct id and turns into tuples. The scanner reads each line's top-level
+ * `hash_ids` array itself: every distinct token (the bytes of a string id, or the value
+ * of an integer id) is kept once in a table with its converted id object, so an
+ * occurrence costs one table lookup. It reads a strict subset of JSON: anything else (an
+ * escape or non-ASCII byte in a string id, a number that is not a plain int64, a null,
+ * a key written with an escape, a second `hash_ids`, an id of the other kind, a line
+ * without the key) makes `scan` return None, and the caller parses that chunk as before.
+ * The rest of each line is skipped, not checked: pyarrow parses every line too (without
+ * the ids) and refuses what is not JSON.
+ *
+ * `scan` tokenizes without the interpreter lock (the table belongs to one scanner, used
+ * by one thread at a time), then converts new tokens and builds the tuples with it. */
+
+typedef struct {
+    uint64_t hash;
+    size_t offset; /* the token's bytes in the arena */
+    size_t length;
+    PyObject *value; /* NULL until converted */
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    int strings;          /* 1: string ids (hashed), 0: integer ids */
+    PyObject *interned;   /* dict: id value -> its one object, shared with the other path */
+    uint32_t *slots;      /* open addressing: entry number + 1, 0 = empty */
+    size_t mask;
+    Entry *entries;
+    size_t n_entries, cap_entries, converted;
+    char *arena;
+    size_t arena_len, arena_cap;
+    int busy;
+} IdScanner;
+
+static uint64_t token_hash(const char *p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ULL ^ n;
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)p[i]) * 0x100000001b3ULL;
+    h ^= h >> 32;
+    h *= 0x9e3779b97f4a7c15ULL;
+    return h ^ (h >> 29);
+}
+
+static int scanner_grow_slots(IdScanner *s) {
+    size_t size = s->slots ? (s->mask + 1) * 2 : 1024;
+    uint32_t *slots = calloc(size, sizeof *slots);
+    if (slots == NULL) return -1;
+    for (size_t e = 0; e < s->n_entries; e++) {
+        size_t i = s->entries[e].hash & (size - 1);
+        while (slots[i]) i = (i + 1) & (size - 1);
+        slots[i] = (uint32_t)(e + 1);
+    }
+    free(s->slots);
+    s->slots = slots;
+    s->mask = size - 1;
+    return 0;
+}
+
+/* The entry number of a token, added if new; -1 when out of memory. No interpreter calls. */
+static int64_t scanner_entry(IdScanner *s, const char *p, size_t n) {
+    if ((s->n_entries + 1) * 2 > s->mask + 1 && scanner_grow_slots(s) < 0) return -1;
+    uint64_t hash = token_hash(p, n);
+    size_t i = hash & s->mask;
+    for (uint32_t slot; (slot = s->slots[i]) != 0; i = (i + 1) & s->mask) {
+        const Entry *entry = &s->entries[slot - 1];
+        if (entry->hash == hash && entry->length == n) {
+            const char *kept = s->arena + entry->offset;
+            size_t k = 0;
+            while (k < n && kept[k] == p[k]) k++;
+            if (k == n) return slot - 1;
+        }
+    }
+    if (s->n_entries == s->cap_entries) {
+        size_t cap = s->cap_entries ? s->cap_entries * 2 : 1024;
+        if (cap > UINT32_MAX - 1) return -1;
+        Entry *entries = realloc(s->entries, cap * sizeof *entries);
+        if (entries == NULL) return -1;
+        s->entries = entries;
+        s->cap_entries = cap;
+    }
+    if (s->arena_len + n > s->arena_cap) {
+        size_t cap = s->arena_cap ? s->arena_cap : 1 << 16;
+        while (cap < s->arena_len + n) cap *= 2;
+        char *arena = realloc(s->arena, cap);
+        if (arena == NULL) return -1;
+        s->arena = arena;
+        s->arena_cap = cap;
+    }
+    memcpy(s->arena + s->arena_len, p, n);
+    s->entries[s->n_entries] = (Entry){hash, s->arena_len, n, NULL};
+    s->arena_len += n;
+    s->slots[i] = (uint32_t)(s->n_entries + 1);
+    return (int64_t)s->n_entries++;
+}
+
+/* Growable arrays of the tokenizer's output, and the last lines' arrays: a line usually
+ * begins with the ids of a recent line (a burst's shared prefix, a session's earlier
+ * turns), whose tokens are then taken from that line by one byte comparison instead of
+ * a table lookup each. */
+#define RECENT 16
+
+typedef struct {
+    const char *array; /* its '[' in the chunk */
+    size_t bytes;      /* up to and including its ']' */
+    size_t first;      /* its first token in ids / ends */
+    size_t count;
+} Recent;
+
+typedef struct {
+    uint32_t *ids;    /* entry numbers, all lines */
+    uint32_t *ends;   /* each token's end (the byte after it) from its array's '[' */
+    size_t n_ids, cap_ids;
+    size_t *counts;   /* ids per line */
+    size_t n_lines, cap_lines;
+    Recent recent[RECENT];
+    size_t n_recent, next_recent;
+} Scanned;
+
+static int push_id(Scanned *o, uint32_t id, size_t end) {
+    if (end > UINT32_MAX) return -1;
+    if (o->n_ids == o->cap_ids) {
+        size_t cap = o->cap_ids ? o->cap_ids * 2 : 1 << 16;
+        uint32_t *ids = realloc(o->ids, cap * sizeof *ids);
+        if (ids == NULL) return -1;
+        o->ids = ids;
+        uint32_t *ends = realloc(o->ends, cap * sizeof *ends);
+        if (ends == NULL) return -1;
+        o->ends = ends;
+        o->cap_ids = cap;
+    }
+    o->ends[o->n_ids] = (uint32_t)end;
+    o->ids[o->n_ids++] = id;
+    return 0;
+}
+
+static int push_line(Scanned *o, size_t count) {
+    if (o->n_lines == o->cap_lines) {
+        size_t cap = o->cap_lines ? o->cap_lines * 2 : 1024;
+        size_t *counts = realloc(o->counts, cap * sizeof *counts);
+        if (counts == NULL) return -1;
+        o->counts = counts;
+        o->cap_lines = cap;
+    }
+    o->counts[o->n_lines++] = count;
+    return 0;
+}
+
+static size_t common_prefix(const char *a, const char *b, size_t n) {
+    size_t i = 0;
+    for (uint64_t x, y; i + 8 <= n; i += 8) {
+        memcpy(&x, a + i, 8);
+        memcpy(&y, b + i, 8);
+        if (x != y) break;
+    }
+    while (i < n && a[i] == b[i]) i++;
+    return i;
+}
+
+/* The recent array sharing the most whole tokens with the one at `array` (its bytes up to
+ * `end`): how many tokens (0: none) and which (*which). A token is shared when its bytes
+ * and the byte after it (a delimiter) are the same at the same offset. */
+static size_t shared_tokens(const Scanned *o, const char *array, const char *end,
+                            size_t *which) {
+    size_t best = 0;
+    for (size_t r = 0; r < o->n_recent; r++) {
+        const Recent *line = &o->recent[r];
+        size_t limit = line->bytes < (size_t)(end - array) ? line->bytes : (size_t)(end - array);
+        size_t same = common_prefix(array, line->array, limit);
+        const uint32_t *ends = o->ends + line->first;
+        size_t lo = 0, hi = line->count; /* tokens with ends[k] < same */
+        while (lo < hi) {
+            size_t mid = (lo + hi) / 2;
+            if (ends[mid] < same) lo = mid + 1; else hi = mid;
+        }
+        if (lo > best) {
+            best = lo;
+            *which = r;
+        }
+    }
+    return best;
+}
+
+static void remember(Scanned *o, const char *array, size_t bytes, size_t first, size_t count,
+                     size_t shared, size_t which) {
+    size_t slot; /* a line that extends a recent one takes its place */
+    if (shared > 0) {
+        slot = which;
+    } else if (o->n_recent < RECENT) {
+        slot = o->n_recent++;
+    } else {
+        slot = o->next_recent;
+        o->next_recent = (o->next_recent + 1) % RECENT;
+    }
+    o->recent[slot] = (Recent){array, bytes, first, count};
+}
+
+enum { SCAN_OK = 0, SCAN_OTHER = 1, SCAN_NOMEM = 2 };
+
+static const char *skip_spaces(const char *p, const char *end) {
+    while (p < end && *p == ' ') p++;
+    return p;
+}
+
+/* After a string's opening quote: past its closing quote, or NULL. */
+static const char *skip_string(const char *p, const char *end) {
+    while (p < end) {
+        char c = *p++;
+        if (c == '"') return p;
+        if (c == '\\') {
+            if (p == end) return NULL;
+            p++;
+        }
+    }
+    return NULL;
+}
+
+/* Past one JSON value, or NULL. Not a validator: pyarrow checks the line. */
+static const char *skip_value(const char *p, const char *end) {
+    if (p == end) return NULL;
+    if (*p == '"') return skip_string(p + 1, end);
+    if (*p == '{' || *p == '[') {
+        int depth = 0;
+        while (p < end) {
+            char c = *p++;
+            if (c == '"') {
+                if ((p = skip_string(p, end)) == NULL) return NULL;
+            } else if (c == '{' || c == '[') {
+                depth++;
+            } else if (c == '}' || c == ']') {
+                if (--depth == 0) return p;
+            }
+        }
+        return NULL;
+    }
+    const char *start = p;
+    while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ') p++;
+    return p > start ? p : NULL;
+}
+
+/* One `hash_ids` array at p (its '['); past its ']' via *next. */
+static int scan_array(IdScanner *s, const char *p, const char *end, Scanned *o, size_t *count,
+                      const char **next) {
+    if (p == end || *p != '[') return SCAN_OTHER;
+    const char *array = p;
+    size_t first = o->n_ids, which = 0, shared = shared_tokens(o, array, end, &which);
+    if (shared > 0) { /* the recent line's first `shared` tokens, then on from the last */
+        const Recent *line = &o->recent[which];
+        for (size_t k = 0; k < shared; k++)
+            if (push_id(o, o->ids[line->first + k], o->ends[line->first + k]) < 0)
+                return SCAN_NOMEM;
+        *count = shared;
+        p = array + o->ends[o->n_ids - 1];
+    } else {
+        p = skip_spaces(p + 1, end);
+        if (p < end && *p == ']') {
+            *next = p + 1;
+            return SCAN_OK;
+        }
+    }
+    while (1) {
+        if (*count > 0 || shared > 0) { /* after a token: a delimiter */
+            p = skip_spaces(p, end);
+            if (p == end) return SCAN_OTHER;
+            if (*p == ']') {
+                *next = p + 1;
+                remember(o, array, (size_t)(p + 1 - array), first, *count, shared, which);
+                return SCAN_OK;
+            }
+            if (*p != ',') return SCAN_OTHER;
+            p = skip_spaces(p + 1, end);
+        }
+        const char *token;
+        size_t n;
+        int64_t value = 0;
+        if (s->strings) {
+            if (p == end || *p != '"') return SCAN_OTHER;
+            token = ++p;
+            while (p < end && *p != '"') {
+                if (*p == '\\' || (uint8_t)*p >= 0x80) return SCAN_OTHER;
+                p++;
+            }
+            if (p == end) return SCAN_OTHER;
+            n = (size_t)(p - token);
+            p++;
+        } else {
+            int negative = p < end && *p == '-';
+            if (negative) p++;
+            const char *digits = p;
+            uint64_t magnitude = 0;
+            while (p < end && *p >= '0' && *p <= '9' && p - digits < 20) {
+                magnitude = magnitude * 10 + (uint64_t)(*p - '0');
+                p++;
+            }
+            size_t width = (size_t)(p - digits);
+            if (width == 0 || width > 19 || (width > 1 && *digits == '0')) return SCAN_OTHER;
+            if (p < end && (*p == '.' || *p == 'e' || *p == 'E' || (*p >= '0' && *p <= '9')))
+                return SCAN_OTHER; /* a float, or more digits than an int64 holds */
+            if (magnitude > (uint64_t)INT64_MAX + (uint64_t)negative) return SCAN_OTHER;
+            value = negative ? (int64_t)(0 - magnitude) : (int64_t)magnitude;
+            token = (const char *)&value;
+            n = sizeof value;
+        }
+        int64_t entry = scanner_entry(s, token, n);
+        if (entry < 0) return SCAN_NOMEM;
+        if (push_id(o, (uint32_t)entry, (size_t)(p - array)) < 0) return SCAN_NOMEM;
+        ++*count;
+    }
+}
+
+/* One line: a JSON object holding exactly one top-level `hash_ids`. */
+static int scan_line(IdScanner *s, const char *p, const char *end, Scanned *o) {
+    size_t count = 0;
+    int found = 0;
+    p = skip_spaces(p, end);
+    if (p == end || *p != '{') return SCAN_OTHER;
+    p = skip_spaces(p + 1, end);
+    if (p < end && *p == '}') return SCAN_OTHER; /* no hash_ids */
+    while (1) {
+        if (p == end || *p != '"') return SCAN_OTHER;
+        const char *key = ++p;
+        while (p < end && *p != '"') {
+            if (*p == '\\') return SCAN_OTHER;
+            p++;
+        }
+        if (p == end) return SCAN_OTHER;
+        size_t key_length = (size_t)(p - key);
+        p = skip_spaces(p + 1, end);
+        if (p == end || *p != ':') return SCAN_OTHER;
+        p = skip_spaces(p + 1, end);
+        if (key_length == 8 && memcmp(key, "hash_ids", 8) == 0) {
+            if (found) return SCAN_OTHER;
+            found = 1;
+            int status = scan_array(s, p, end, o, &count, &p);
+            if (status != SCAN_OK) return status;
+        } else if ((p = skip_value(p, end)) == NULL) {
+            return SCAN_OTHER;
+        }
+        p = skip_spaces(p, end);
+        if (p == end) return SCAN_OTHER;
+        if (*p == '}') break;
+        if (*p != ',') return SCAN_OTHER;
+        p = skip_spaces(p + 1, end);
+    }
+    if (skip_spaces(p + 1, end) != end || !found) return SCAN_OTHER;
+    return push_line(o, count) < 0 ? SCAN_NOMEM : SCAN_OK;
+}
+
+static int scan_chunk(IdScanner *s, const char *data, size_t size, Scanned *o) {
+    const char *p = data, *end = data + size;
+    while (p < end) {
+        const char *line_end = memchr(p, '\n', (size_t)(end - p));
+        if (line_end == NULL) line_end = end;
+        int status = scan_line(s, p, line_end, o);
+        if (status != SCAN_OK) return status;
+        p = line_end + 1;
+    }
+    return SCAN_OK;
+}
+
+/* Convert the tokens added since the last call: hashed (strings) or read (ints), then
+ * one object per id value through `interned`. */
+static int scanner_convert(IdScanner *s) {
+    for (; s->converted < s->n_entries; s->converted++) {
+        Entry *entry = &s->entries[s->converted];
+        const char *token = s->arena + entry->offset;
+        PyObject *value;
+        if (s->strings) {
+            value = PyLong_FromUnsignedLongLong(hash63((const uint8_t *)token, entry->length));
+        } else {
+            int64_t v;
+            memcpy(&v, token, sizeof v);
+            value = PyLong_FromLongLong(v);
+        }
+        if (value == NULL) return -1;
+        PyObject *kept = PyDict_SetDefault(s->interned, value, value); /* borrowed */
+        Py_DECREF(value);
+        if (kept == NULL) return -1;
+        Py_INCREF(kept);
+        entry->value = kept;
+    }
+    return 0;
+}
+
+static PyObject *scanner_scan(IdScanner *s, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (s->busy) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_RuntimeError, "IdScanner.scan: already scanning");
+        return NULL;
+    }
+    s->busy = 1;
+    Scanned o = {0};
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = scan_chunk(s, (const char *)view.buf, (size_t)view.len, &o);
+    Py_END_ALLOW_THREADS
+    s->busy = 0;
+    PyObject *out = NULL;
+    if (scanner_convert(s) < 0) goto done; /* new tokens of a refused chunk are kept too */
+    if (status == SCAN_NOMEM) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (status == SCAN_OTHER) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    out = PyList_New((Py_ssize_t)o.n_lines);
+    if (out == NULL) goto done;
+    const uint32_t *id = o.ids;
+    for (size_t r = 0; r < o.n_lines; r++) {
+        PyObject *row = PyTuple_New((Py_ssize_t)o.counts[r]);
+        if (row == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        for (size_t k = 0; k < o.counts[r]; k++) {
+            PyObject *value = s->entries[*id++].value;
+            Py_INCREF(value);
+            PyTuple_SET_ITEM(row, (Py_ssize_t)k, value);
+        }
+        PyObject_GC_UnTrack(row); /* ints only: as the collector itself would untrack it */
+        PyList_SET_ITEM(out, (Py_ssize_t)r, row);
+    }
+done:
+    free(o.ids);
+    free(o.ends);
+    free(o.counts);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static int scanner_init(IdScanner *s, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"interned", "strings", NULL};
+    PyObject *interned;
+    int strings;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!p:IdScanner", names, &PyDict_Type,
+                                     &interned, &strings))
+        return -1;
+    if (s->interned != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "IdScanner: already initialized");
+        return -1;
+    }
+    s->interned = Py_NewRef(interned);
+    s->strings = strings;
+    return 0;
+}
+
+static void scanner_dealloc(IdScanner *s) {
+    for (size_t e = 0; e < s->converted; e++) Py_XDECREF(s->entries[e].value);
+    Py_XDECREF(s->interned);
+    free(s->slots);
+    free(s->entries);
+    free(s->arena);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *scanner_distinct(IdScanner *s, void *closure) {
+    return PyLong_FromSize_t(s->n_entries);
+}
+
+static PyMethodDef scanner_methods[] = {
+    {"scan", (PyCFunction)scanner_scan, METH_O,
+     "scan(chunk) -> list[tuple] | None: each line's hash_ids as a tuple of ids; None "
+     "when a line needs the JSON parser."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef scanner_getset[] = {
+    {"distinct", (getter)scanner_distinct, NULL, "Distinct tokens seen so far.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject IdScannerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "btb_lab.workload._hashc.IdScanner",
+    .tp_basicsize = sizeof(IdScanner),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "IdScanner(interned, strings): the hash_ids of JSONL chunks, one object per id.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)scanner_init,
+    .tp_dealloc = (destructor)scanner_dealloc,
+    .tp_methods = scanner_methods,
+    .tp_getset = scanner_getset,
+};
+
 static PyMethodDef methods[] = {
     {"stable_hashes63", stable_hashes63, METH_O,
      "stable_hashes63(texts) -> list[int]: the 63-bit blake2b id of each str."},
@@ -261,4 +750,13 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__hashc(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__hashc(void) {
+    if (PyType_Ready(&IdScannerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "IdScanner", (PyObject *)&IdScannerType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -125,10 +125,17 @@ def schema(fields: dict[str, str], ids: pa.DataType) -> pa.Schema:
     )
 
 
-def read_batches(path: Path, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch, bool]]:
+Rows = list[tuple[int, ...]]
+
+
+def read_batches(
+    path: Path, schema: pa.Schema, interned: dict[int, int]
+) -> Iterator[tuple[pa.RecordBatch, bool, Rows | None]]:
     """Record batches of `schema`'s columns (absent ones all null), in file order, each
     with whether a null `metadata.turn` under present metadata in it may be a written
-    null (`{"turn": null}`, which the row loader rejects) rather than no turn at all.
+    null (`{"turn": null}`, which the row loader rejects) rather than no turn at all, and
+    its rows' block ids where the compiled scanner read them (`block_id_tuples` takes
+    them; the batch then has no `hash_ids` column). `interned`: the file's id objects.
 
     JSONL: parsed a chunk of whole lines at a time (several blocks of a chunk in
     parallel); every line holds exactly one row, so row k is line k + 1, and the only
@@ -139,35 +146,81 @@ def read_batches(path: Path, schema: pa.Schema) -> Iterator[tuple[pa.RecordBatch
     """
     if path.suffix == ".parquet":  # decoding is a small part of a parquet load: in turn
         for batch in _parquet_batches(path, schema):
-            yield batch, True
+            yield batch, True, None
         return
-    for batches, null_turn in _ahead(_json_chunks(path, schema)):
-        for batch in batches:
-            yield batch, null_turn
+    for batches, null_turn in _ahead(_json_chunks(path, schema, interned)):
+        for batch, ids in batches:
+            yield batch, null_turn, ids
 
 
-def _json_chunks(path: Path, schema: pa.Schema) -> Iterator[tuple[list[pa.RecordBatch], bool]]:
-    """Each chunk's record batches (the work a thread does ahead of the caller)."""
+def _json_chunks(
+    path: Path, schema: pa.Schema, interned: dict[int, int]
+) -> Iterator[tuple[list[tuple[pa.RecordBatch, Rows | None]], bool]]:
+    """Each chunk's record batches with their rows' ids where the scanner read them (the
+    work a thread does ahead of the caller). The scanner reads a chunk's ids on a thread
+    of its own while pyarrow parses the rest of it: both let go of the interpreter."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyarrow.json as pj
 
     read_options = pj.ReadOptions(block_size=max(1 << 20, CHUNK_BYTES // 2), use_threads=True)
-    parse_options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    for index, chunk in enumerate(_line_chunks(path)):
-        if index == 0 and chunk.startswith(_BOM):
-            raise Fallback("byte-order mark")
-        newlines = chunk.count(b"\n")
-        if int(np.count_nonzero(np.frombuffer(chunk, np.uint8) < 0x20)) != newlines:
-            raise Fallback("control bytes other than newlines")
-        try:
-            table = pj.read_json(
-                pa.BufferReader(chunk), read_options=read_options, parse_options=parse_options
-            )
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise Fallback(str(exc)) from None
-        if table.num_rows != newlines + (not chunk.endswith(b"\n")):
-            raise Fallback("blank lines or several objects on one line")
-        null_turn = _turnless_metadata(table) and _NULL_TURN.search(chunk) is not None
-        yield table.to_batches(), null_turn
+    full = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    scanner = _scanner(schema, interned)
+    # with a scanner pyarrow parses everything but the ids (it still checks each line)
+    parse = full if scanner is None else pj.ParseOptions(
+        explicit_schema=schema.remove(schema.get_field_index("hash_ids")),
+        unexpected_field_behavior="ignore",
+    )  # fmt: skip
+    with ThreadPoolExecutor(1, thread_name_prefix="btb-lab-scan") as scans:
+        for index, chunk in enumerate(_line_chunks(path)):
+            if index == 0 and chunk.startswith(_BOM):
+                raise Fallback("byte-order mark")
+            newlines = chunk.count(b"\n")
+            if int(np.count_nonzero(np.frombuffer(chunk, np.uint8) < 0x20)) != newlines:
+                raise Fallback("control bytes other than newlines")
+            rows = newlines + (not chunk.endswith(b"\n"))
+            scanning = scans.submit(scanner.scan, chunk) if scanner is not None else None
+            table = _parse_json(chunk, read_options, parse, rows)
+            ids = scanning.result() if scanning is not None else None
+            if scanning is not None and (ids is None or len(ids) != rows):  # the parser decides
+                table = _parse_json(chunk, read_options, full, rows)
+                ids = None
+            null_turn = _turnless_metadata(table) and _NULL_TURN.search(chunk) is not None
+            yield _split(table.to_batches(), ids), null_turn
+
+
+def _parse_json(chunk: bytes, read: Any, parse: Any, rows: int) -> pa.Table:
+    import pyarrow.json as pj
+
+    try:
+        table = pj.read_json(pa.BufferReader(chunk), read_options=read, parse_options=parse)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise Fallback(str(exc)) from None
+    if table.num_rows != rows:
+        raise Fallback("blank lines or several objects on one line")
+    return table
+
+
+def _scanner(schema: pa.Schema, interned: dict[int, int]) -> Any:
+    """The compiled `hash_ids` reader for `schema`'s id type, or None (no C build)."""
+    if _IdScanner is None:
+        return None
+    strings = pa.types.is_string(schema.field("hash_ids").type.value_type)
+    return _IdScanner(interned, strings=strings)
+
+
+def _split(
+    batches: list[pa.RecordBatch], ids: Rows | None
+) -> list[tuple[pa.RecordBatch, Rows | None]]:
+    """Each batch with its slice of the chunk's `ids`."""
+    if ids is None:
+        return [(batch, None) for batch in batches]
+    out: list[tuple[pa.RecordBatch, Rows | None]] = []
+    start = 0
+    for batch in batches:
+        out.append((batch, ids[start : start + batch.num_rows]))
+        start += batch.num_rows
+    return out
 
 
 _DONE: Any = object()
@@ -320,17 +373,24 @@ def block_id_tuples(
     block_tokens: int,
     name: str = "hash_ids",
     interned: dict[int, int] | None = None,
+    scanned: Rows | None = None,
 ) -> list[tuple[int, ...]]:
     """Each row's block ids as a tuple. Each distinct id of the batch is converted once
     (strings hashed as `block_id` hashes them) and is one int object that all its
     occurrences share: in the batch, and with `interned` (one dict for the whole file)
     in every batch, so the simulator's caches match a burst's shared prefix by identity
-    instead of hashing and comparing each block."""
+    instead of hashing and comparing each block. `scanned`: the rows the compiled
+    scanner read (`read_batches`), checked here as the column would be."""
+    limits = -(-np.asarray(input_tokens, dtype=np.int64) // block_tokens)
+    if scanned is not None:
+        counts = np.fromiter(map(len, scanned), np.int64, len(scanned))
+        if bool(np.any(counts > limits)):
+            raise Fallback(f"{name}: more ids than the prompt has blocks in some row")
+        return scanned
     lists = batch.column(name)
     _no_nulls(lists, name)
     offsets = lists.offsets.to_numpy()
     counts = np.diff(offsets)
-    limits = -(-np.asarray(input_tokens, dtype=np.int64) // block_tokens)
     if bool(np.any(counts > limits)):
         raise Fallback(f"{name}: more ids than the prompt has blocks in some row")
     values = lists.flatten()
@@ -367,3 +427,8 @@ try:  # the same loops in C (`_hashc.c`), where the install could build it
     from btb_lab.workload._hashc import rows_of_ids as _rows_of_ids
 except ImportError:  # pragma: no cover - installs without a C compiler
     _interned, _rows_of_ids = python_interned, python_rows_of_ids
+_IdScanner: Any  # without it pyarrow parses the ids (the same rows: test_workload_columnar)
+try:
+    from btb_lab.workload._hashc import IdScanner as _IdScanner
+except ImportError:  # pragma: no cover - installs without a C compiler
+    _IdScanner = None

@@ -303,11 +303,11 @@ def _columnar_mooncake(col: Any, path: Path, block_tokens: int) -> list[Request]
     last_ms = -math.inf
     interned: dict[int, int] = {}  # block id -> its one object in the file
     stem = trace_stem(path)
-    for batch, _ in col.read_batches(path, schema):
+    for batch, _, ids in col.read_batches(path, schema, interned):
         times_ms = col.required_times(batch, "timestamp")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned, scanned=ids)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         line_no = len(out)
@@ -420,7 +420,7 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
     session_turns = _SessionTurns()
     out: list[Request] = []
     interned: dict[int, int] = {}  # block id -> its one object in the file
-    for batch, null_turn_written in col.read_batches(path, schema):
+    for batch, null_turn_written, ids in col.read_batches(path, schema, interned):
         arrivals = col.required_times(batch, "arrival_s")
         trace_ids = col.required_text(batch, "trace_id")
         sources = col.required_text(batch, "source")
@@ -429,7 +429,7 @@ def _columnar_bursted_art(col: Any, path: Path, block_tokens: int) -> list[Reque
         request_ids = col.required_text(batch, "request_id")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned, scanned=ids)
         sessions = col.optional_text(batch, "session_id")
         groups = col.optional_text(batch, "group_id")
         turns, has_turn = col.turns(batch, null_turn_written)
@@ -521,13 +521,13 @@ def _columnar_art_chat(col: Any, path: Path, block_tokens: int) -> list[Request]
     out: list[Request] = []
     last_ms = -math.inf
     interned: dict[int, int] = {}  # block id -> its one object in the file
-    for batch, _ in col.read_batches(path, schema):
+    for batch, _, ids in col.read_batches(path, schema, interned):
         times_ms = col.required_times(batch, "timestamp_ms")
         request_ids = col.required_text(batch, "request_id")
         prompts = col.optional_text(batch, "system_prompt_hash")
         inputs = col.required_lengths(batch, "input_length")
         outputs = col.required_lengths(batch, "output_length")
-        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned)
+        hashes = col.block_id_tuples(batch, inputs, block_tokens, interned=interned, scanned=ids)
         if not _non_decreasing(times_ms, last_ms):
             raise col.Fallback("timestamps go back")
         before = len(seen_ids)
