@@ -18,10 +18,8 @@ import pandas as pd
 from btb_lab.analysis.models import Comparison, RequestMetrics, Summary
 from btb_lab.analysis.scopes import measured_window, rows_where
 from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, read_stored_run
-from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
-from btb_lab.config.workload import SESSION_REPLAY_TEXT
-from btb_lab.report import forked
+from btb_lab.report import describe, forked
 from btb_lab.report.plots import write_plots
 from btb_lab.report.png import stop_drawing
 from btb_lab.results import RunEntry, StoredFrames, stored_frames, write_atomic
@@ -162,49 +160,6 @@ def kv_source_rows(runs: list[RunEntry]) -> list[dict[str, str]]:
             "transfers": f"{transfers:.0f}",
         })  # fmt: skip
     return rows
-
-
-def _topology(hyp: Hypothesis) -> str:
-    groups = [f"{g.count}×{g.role} ({g.gpus}×{g.gpu})" for g in hyp.cluster.instances]
-    conn = hyp.cluster.kv_connector
-    text = " + ".join(groups)
-    if conn.type != "none":
-        roles = "".join(f", {r}: {k}" for r, k in sorted(conn.roles.items()))
-        text += f", KV connector {conn.type} ({conn.role}{roles})"
-    return text
-
-
-def _model(hyp: Hypothesis) -> str:
-    if isinstance(hyp.model, str):
-        return hyp.model
-    return f"{hyp.model.name} ({hyp.model.params:g} params, {hyp.model.layers} layers)"
-
-
-def _workload(hyp: Hypothesis) -> str:
-    w = hyp.workload
-    if w.trace is not None:
-        source = f"trace `{w.trace.path}` ({w.trace.format})"
-    else:
-        assert w.generator is not None
-        params = ", ".join(f"{k}={v}" for k, v in sorted(w.generator.params.items()))
-        source = f"generator `{w.generator.kind}`" + (f" ({params})" if params else "")
-    return source + SESSION_REPLAY_TEXT.get(w.session_replay, "")
-
-
-def _variant_text(hyp: Hypothesis, name: str) -> str:
-    v = hyp.variants[name]
-    params = ", ".join(f"{k}={val}" for k, val in sorted(v.router.params.items()))
-    text = f"`{name}`{' (baseline)' if name == hyp.baseline else ''}: {v.router.policy}"
-    if params:
-        text += f" ({params})"
-    overrides = {**{f"sim.{k}": val for k, val in v.sim.items()},
-                 **{f"costs.{k}": val for k, val in v.costs.items()},
-                 **{f"cluster.{k}": val for k, val in v.cluster.items()}}  # fmt: skip
-    if overrides:
-        text += "; overrides " + ", ".join(f"{k}={val}" for k, val in sorted(overrides.items()))
-    if v.description:
-        text += f" — {v.description}"
-    return text
 
 
 def _pct(x: float | None) -> str:
@@ -416,10 +371,6 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         for name, diff in summary.fidelity.get("per_variant", {}).items()
         if (shown := _shown_fidelity(diff))
     }
-    rule = hyp.verdict
-    claim_metric = rule.metric + (f" ({rule.klass})" if rule.klass else "")
-    if rule.pool:
-        claim_metric += f" in pool `{rule.pool}`"
     return {
         "id": hyp.id,
         "title": hyp.title,
@@ -428,15 +379,15 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         "seed_verdict": hyp.seed_verdict,
         "backend": summary.backend,
         "telemetry": manifest.telemetry_source or "",
-        "model": _model(hyp),
-        "topology": _topology(hyp),
-        "workload": _workload(hyp),
+        "model": describe.model(hyp),
+        "topology": describe.topology(hyp),
+        "workload": describe.workload(hyp),
         "requests": requests_per_run if requests_per_run is not None else "n/a",
         "time_scale": f"{hyp.workload.time_scale:g}",
         "block_tokens": hyp.workload.block_tokens,
         "repeats": _repeats_text(run),
         "seed": hyp.seed,
-        "variants": [_variant_text(hyp, n) for n in manifest.variants or hyp.variants],
+        "variants": [describe.variant_text(hyp, n) for n in manifest.variants or hyp.variants],
         "fidelity": [f"{k}={v}" for k, v in fidelity.items()],
         "calibration": calibration_text(summary.fidelity),
         "aliases": manifest.aliases,
@@ -445,17 +396,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
             f"{name}: " + ", ".join(f"{k}={v}" for k, v in diff.items())
             for name, diff in per_variant_fidelity.items()
         ],
-        "rule": f"{claim_metric} {rule.direction}s by at least {rule.min_effect * 100:g}% vs "
-        f"`{hyp.baseline}`"
-        + (
-            "; guards: "
-            + ", ".join(
-                f"{g.metric}{' (' + g.klass + ')' if g.klass else ''} ≤ {g.max_worse:g} worse"
-                for g in rule.guards
-            )
-            if rule.guards
-            else ""
-        ),
+        "rule": describe.rule(hyp),
         "result_lines": result_lines(summary, hyp.baseline),
         "engine_lines": engine_lines(runs),
         "kv_source_rows": kv_source_rows(runs),

@@ -129,3 +129,29 @@ def test_latest_verdicts_finds_runs_anywhere_and_skips_overridden_ones(tmp_path:
         "H4": ("VALIDATED", str(tmp_path / "log/h4")),
         "H7": ("REJECTED", str(tmp_path / "H7/20260101T000000Z-dddddd")),
     }
+
+
+def test_the_decision_rule_line_names_every_scope_of_the_claim_and_its_guards() -> None:
+    """A guard restricted to a pool or a class is stated as such, and ok_rate's limit in
+    points (it is absolute), as the verdict applies them."""
+    from btb_lab.config.hypothesis import Hypothesis
+    from btb_lab.report import describe
+
+    hyp = Hypothesis.model_validate(
+        {
+            "id": "x", "title": "t", "claim": "c", "model": "llama-3.3-70b",
+            "workload": {"generator": {"kind": "poisson"}},
+            "variants": {"a": {"router": {"policy": "least_load"}},
+                         "b": {"router": {"policy": "cache_aware"}}},
+            "baseline": "a",
+            "verdict": {
+                "metric": "ttft_p90", "pool": "art", "direction": "decrease", "min_effect": 0.05,
+                "guards": [{"metric": "ok_rate", "max_worse": 0.01},
+                           {"metric": "e2e_p90", "pool": "mooncake", "max_worse": 0.1}],
+            },
+        }
+    )  # fmt: skip
+    assert describe.rule(hyp) == (
+        "ttft_p90 in pool `art` decreases by at least 5% vs `a`; "
+        "guards: ok_rate ≤ 1 pt worse, e2e_p90 in pool `mooncake` ≤ 10% worse"
+    )

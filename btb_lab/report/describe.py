@@ -1,0 +1,77 @@
+"""The hypothesis in words, as the report states what produced its verdict: model,
+topology, workload, variants and the decision rule with every scope it has."""
+
+from __future__ import annotations
+
+from btb_lab.config.hypothesis import Guard, Hypothesis
+from btb_lab.config.metrics import METRICS
+from btb_lab.config.workload import SESSION_REPLAY_TEXT
+
+__all__ = ["model", "rule", "topology", "variant_text", "workload"]
+
+
+def topology(hyp: Hypothesis) -> str:
+    groups = [f"{g.count}×{g.role} ({g.gpus}×{g.gpu})" for g in hyp.cluster.instances]
+    conn = hyp.cluster.kv_connector
+    text = " + ".join(groups)
+    if conn.type != "none":
+        roles = "".join(f", {r}: {k}" for r, k in sorted(conn.roles.items()))
+        text += f", KV connector {conn.type} ({conn.role}{roles})"
+    return text
+
+
+def model(hyp: Hypothesis) -> str:
+    if isinstance(hyp.model, str):
+        return hyp.model
+    return f"{hyp.model.name} ({hyp.model.params:g} params, {hyp.model.layers} layers)"
+
+
+def workload(hyp: Hypothesis) -> str:
+    w = hyp.workload
+    if w.trace is not None:
+        source = f"trace `{w.trace.path}` ({w.trace.format})"
+    else:
+        assert w.generator is not None
+        params = ", ".join(f"{k}={v}" for k, v in sorted(w.generator.params.items()))
+        source = f"generator `{w.generator.kind}`" + (f" ({params})" if params else "")
+    return source + SESSION_REPLAY_TEXT.get(w.session_replay, "")
+
+
+def variant_text(hyp: Hypothesis, name: str) -> str:
+    v = hyp.variants[name]
+    params = ", ".join(f"{k}={val}" for k, val in sorted(v.router.params.items()))
+    text = f"`{name}`{' (baseline)' if name == hyp.baseline else ''}: {v.router.policy}"
+    if params:
+        text += f" ({params})"
+    overrides = {**{f"sim.{k}": val for k, val in v.sim.items()},
+                 **{f"costs.{k}": val for k, val in v.costs.items()},
+                 **{f"cluster.{k}": val for k, val in v.cluster.items()}}  # fmt: skip
+    if overrides:
+        text += "; overrides " + ", ".join(f"{k}={val}" for k, val in sorted(overrides.items()))
+    if v.description:
+        text += f" — {v.description}"
+    return text
+
+
+def scoped(metric: str, klass: str | None, pool: str | None) -> str:
+    """`ttft_p90 (WARM) in pool `art``: a metric with the requests it is restricted to."""
+    text = metric + (f" ({klass})" if klass else "")
+    return text + (f" in pool `{pool}`" if pool else "")
+
+
+def guard_rule(guard: Guard) -> str:
+    """`ok_rate ≤ 1 pt worse`, `e2e_p90 in pool `art` ≤ 5% worse`: ok_rate's limit is
+    absolute (points), every other one relative, as the verdict applies them."""
+    limit = f"{guard.max_worse * 100:g}"
+    unit = " pt" if METRICS[guard.metric].kind == "ok_rate" else "%"
+    return f"{scoped(guard.metric, guard.klass, guard.pool)} ≤ {limit}{unit} worse"
+
+
+def rule(hyp: Hypothesis) -> str:
+    """The decision rule: the claim's metric, direction and effect, then its guards."""
+    r = hyp.verdict
+    text = (
+        f"{scoped(r.metric, r.klass, r.pool)} {r.direction}s by at least "
+        f"{r.min_effect * 100:g}% vs `{hyp.baseline}`"
+    )
+    return text + ("; guards: " + ", ".join(map(guard_rule, r.guards)) if r.guards else "")
