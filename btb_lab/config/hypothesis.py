@@ -495,7 +495,7 @@ class Hypothesis(StrictModel):
 
     @field_validator("classes")
     @classmethod
-    def _class_names_differ(cls, classes: list[ClassRule]) -> list[ClassRule]:
+    def _classes_can_match(cls, classes: list[ClassRule]) -> list[ClassRule]:
         # the first rule that matches names a request: a second rule of one name would
         # silently split or shadow that class in every table
         first: dict[str, int] = {}
@@ -506,6 +506,14 @@ class Hypothesis(StrictModel):
                     f"classes.{index})"
                 )
             first[rule.name] = index
+        # a rule without conditions matches every request: none after it ever matches
+        catch_all = next((i for i, rule in enumerate(classes) if not rule.when), None)
+        if catch_all is not None and catch_all < len(classes) - 1:
+            shadowed = ", ".join(repr(rule.name) for rule in classes[catch_all + 1 :])
+            raise ValueError(
+                f"class {classes[catch_all].name!r} (classes.{catch_all}) has no conditions and "
+                f"matches every request, so {shadowed} after it can never match: put it last"
+            )
         return classes
 
     @field_validator("baseline")

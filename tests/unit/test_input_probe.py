@@ -224,6 +224,18 @@ def test_a_class_named_twice_is_refused(tmp_path: Path) -> None:
     refused(cli("validate", path), f"{path}:{line}: {expected}")
 
 
+def test_a_class_after_a_catch_all_is_refused(tmp_path: Path) -> None:
+    """A rule without conditions matches every request: a class after it would be empty
+    in every table and any verdict on it INCONCLUSIVE, without a word why."""
+    path = write_small(tmp_path, **{"  - name: SHORT": "  - name: SHORT\n  - name: REST"})
+    line = SMALL.splitlines().index("classes:") + 1
+    expected = (
+        "classes: class 'SHORT' (classes.1) has no conditions and matches every request, "
+        "so 'REST' after it can never match: put it last"
+    )
+    refused(cli("validate", path), f"{path}:{line}: {expected}")
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
