@@ -261,6 +261,7 @@ def load_sweep(path: Path) -> LoadedSweep:
         raise UserError(
             f"{path}:{loaded.line('base')}: base: hypothesis file {loaded.base_path} not found"
         )
+    _refuse_sweep_base(loaded)
     count = max(1, len(spec.points))
     for choices in spec.axes.values():
         count *= len(choices)
@@ -273,6 +274,23 @@ def load_sweep(path: Path) -> LoadedSweep:
         )
     _refuse_duplicate_points(loaded)
     return loaded
+
+
+def _refuse_sweep_base(loaded: LoadedSweep) -> None:
+    """A base that is itself a sweep file is named as such (its keys failed the
+    hypothesis schema once per point, with no word of what was wrong)."""
+    from btb_lab.yamlio import compose_yaml
+
+    try:
+        data, _ = compose_yaml(loaded.base_path.read_text(encoding="utf-8"), loaded.base_path)
+    except (OSError, UnicodeDecodeError, UserError):
+        return  # the hypothesis loader reports it, with its line
+    if isinstance(data, dict) and "base" in data and "variants" not in data:
+        theirs = (loaded.base_path.parent / str(data["base"])).resolve()
+        raise UserError(
+            f"{loaded.path}:{loaded.line('base')}: base: {loaded.base_path} is a sweep file, "
+            f"not a hypothesis: name the hypothesis it varies ({theirs}) and add its axes here"
+        )
 
 
 def _refuse_duplicate_points(loaded: LoadedSweep) -> None:

@@ -137,6 +137,20 @@ def test_a_sweep_refuses_a_negative_seed_or_jobs_before_any_point(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sweep_whose_base_is_a_sweep_says_so(tmp_path: Path) -> None:
+    # the base's keys failed the hypothesis schema once per point, with no word why
+    write_small(tmp_path)
+    inner = tmp_path / "inner.yaml"
+    inner.write_text("name: i\nbase: hs.yaml\naxes:\n  r:\n    one: {}\n", encoding="utf-8")
+    outer = tmp_path / "outer.yaml"
+    outer.write_text("name: o\nbase: inner.yaml\naxes:\n  s:\n    two: {}\n", encoding="utf-8")
+    refused(
+        cli("sweep", outer, "--dry-run"),
+        f"{outer}:2: base: {inner} is a sweep file, not a hypothesis: name the hypothesis it "
+        f"varies ({tmp_path / 'hs.yaml'}) and add its axes here",
+    )
+
+
 def test_generate_refuses_a_parquet_name_for_the_jsonl_it_writes(tmp_path: Path) -> None:
     refused(cli("trace", "generate", "poisson", "-o", tmp_path / "g.parquet",
                 "-p", "requests=5"), "generate writes JSONL", "trace convert")  # fmt: skip
