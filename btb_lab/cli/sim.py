@@ -11,12 +11,21 @@ __all__ = ["app"]
 app = typer.Typer(help="Simulator commands: cost table, speed benchmark.", no_args_is_help=True)
 
 
+def _fraction(value: float) -> float:
+    # typer's range check let NaN through to "should be ≤ 1"; say what it is instead
+    if not 0.01 <= value <= 1.0:  # False for NaN
+        raise typer.BadParameter(f"{value} is not a number from 0.01 to 1")
+    return value
+
+
 @app.command("costs")
 def costs(
     model: str = typer.Option("llama-3.3-70b", help="Model preset."),
     gpu: str = typer.Option("H100", help="GPU preset (A100, H100, H200, B200, B300, MI300X)."),
     gpus: int = typer.Option(4, min=1, help="GPUs per instance (tensor-parallel size)."),
-    mfu: float = typer.Option(0.5, min=0.01, max=1.0, help="Model FLOP utilization."),
+    mfu: float = typer.Option(
+        0.5, callback=_fraction, help="Model FLOP utilization, from 0.01 to 1."
+    ),
     attention: bool = typer.Option(
         False,
         "--attention",

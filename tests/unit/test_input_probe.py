@@ -624,3 +624,10 @@ def test_a_sweep_reruns_points_whose_trace_changed(tmp_path: Path) -> None:
     again = cli("sweep", sweep, "--jobs", "1", "--out", out)
     assert again.code == 0, again.output
     assert "0 already finished, 1 to run" in again.output
+
+
+@pytest.mark.parametrize("value", ["nan", "2", "0"])
+def test_sim_costs_names_what_is_wrong_with_mfu(value: str) -> None:
+    # NaN passed typer's range check to "should be less than or equal to 1"
+    shown = {"nan": "nan", "2": "2.0", "0": "0.0"}[value]
+    refused(cli("sim", "costs", "--mfu", value), f"{shown} is not a number from 0.01 to 1")
