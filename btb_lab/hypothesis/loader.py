@@ -100,7 +100,9 @@ def apply_overrides(
             depth += 1
             if isinstance(node, list):
                 assert isinstance(seg, int)
-                if not -len(node) <= seg < len(node):
+                if seg < 0:  # errors name fields by their index from 0: so does the path
+                    raise UserError(f"{where}: {dotted}: index {seg}: count from 0")
+                if seg >= len(node):
                     raise UserError(f"{where}: {dotted}: index {seg} out of range")
                 if last:
                     node[seg] = value

@@ -631,3 +631,12 @@ def test_sim_costs_names_what_is_wrong_with_mfu(value: str) -> None:
     # NaN passed typer's range check to "should be less than or equal to 1"
     shown = {"nan": "nan", "2": "2.0", "0": "0.0"}[value]
     refused(cli("sim", "costs", "--mfu", value), f"{shown} is not a number from 0.01 to 1")
+
+
+def test_a_negative_list_index_in_set_is_refused_at_the_flag(tmp_path: Path) -> None:
+    # `instances.-1` was taken, and a bad value under it blamed on the file's line
+    path = write_small(tmp_path)
+    refused(
+        cli("run", path, "--dry-run", "--set", "cluster.instances.-1.count=x"),
+        "--set cluster.instances.-1.count=x: cluster.instances.-1.count: index -1: count from 0",
+    )
