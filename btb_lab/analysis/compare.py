@@ -30,6 +30,7 @@ from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.errors import UserError
+from btb_lab.workload.trace_checks import same_contents
 
 __all__ = [
     "COMPARED_METRICS",
@@ -152,7 +153,7 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
             if mine != theirs:
                 problems.append(f"{run.run_dir} ran another {what} than {runs[0].run_dir}")
         stamps = (first.manifest.trace, other.manifest.trace)
-        if None not in stamps and _contents(stamps[0]) != _contents(stamps[1]):
+        if None not in stamps and not same_contents(*stamps):
             problems.append(f"{run.run_dir} replayed another version of the trace file than "
                             f"{runs[0].run_dir} (its size or contents differ)")  # fmt: skip
         a = first.hypothesis.workload.model_dump(mode="json")
@@ -182,11 +183,6 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
             problems.append(f"{run.run_dir}: runs of {', '.join(manifest.failed_variants)} "
                             "failed")  # fmt: skip
     return problems
-
-
-def _contents(stamp: dict[str, Any] | None) -> tuple[Any, Any]:
-    """A trace stamp without its path: the same file copied elsewhere compares equal."""
-    return (stamp or {}).get("bytes"), (stamp or {}).get("edges_blake2b")
 
 
 def _seeded(hypothesis: Hypothesis) -> bool:

@@ -88,8 +88,8 @@ class Manifest(_Stored):
     runs_planned: int
     trace: dict[str, Any] | None = Field(
         None,
-        description="The replayed trace file: path, size and a digest of its ends "
-        "(`trace_stamp`), so that a file changed since is noticed.",
+        description="The replayed trace file: path, size, a digest of its ends and a CRC-32 "
+        "of the whole file (`trace_stamp`), so that a file changed since is noticed.",
     )
     runs: list[RunEntry] = Field(default_factory=list)
     fidelity: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -151,10 +151,11 @@ def is_point_complete(task: PointTask, base_digest: str) -> bool:
 
 
 def _same_trace(stamp: dict[str, Any]) -> bool:
-    from btb_lab.workload.trace_checks import trace_stamp
+    from btb_lab.workload.trace_checks import same_contents, trace_stamp
 
     try:
-        return trace_stamp(Path(stamp["path"])) == stamp
+        now = trace_stamp(Path(stamp["path"]))
+        return now["path"] == stamp["path"] and same_contents(now, stamp)
     except (OSError, KeyError, TypeError):
         return False
 

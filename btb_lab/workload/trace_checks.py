@@ -10,7 +10,7 @@ are refused alike. Kept apart from `formats` so that module stays under 600 line
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from btb_lab.errors import UserError
 
@@ -20,6 +20,7 @@ __all__ = [
     "check_trace_input",
     "milliseconds_hint",
     "open_trace",
+    "same_contents",
     "token_count",
     "trace_stamp",
     "trace_stem",
@@ -129,20 +130,38 @@ def milliseconds_hint(fmt: str, requests: int, span_s: float, time_scale: float)
 
 
 STAMP_EDGE_BYTES = 1 << 20
+STAMP_CHUNK_BYTES = 1 << 22  # the CRC's reads
 
 
 def trace_stamp(path: Path) -> dict[str, object]:
-    """What tells a trace file's contents apart, cheaply: its size and a digest of its
-    first and last MiB (a 160 MB trace costs 2 MB of reading, not a pass over it). Not its
-    modification time, so a copy on another machine stamps the same. A run records it; a
-    sweep reruns a point, and compare refuses a pair, whose trace it no longer matches."""
+    """What tells a trace file's contents apart: its size, a digest of its first and last
+    MiB, and a CRC-32 of the whole file (zlib's, about 0.1 s for a 160 MB trace: an edit
+    in the middle that keeps the size is seen too). Not its modification time, so a copy
+    on another machine stamps the same. A run records it; a sweep reruns a point, and
+    compare refuses a pair, whose trace it no longer matches (`same_contents`)."""
     import hashlib
+    import zlib
 
     size = path.stat().st_size
     digest = hashlib.blake2b(digest_size=16)
+    crc = 0
     with path.open("rb") as handle:
+        while chunk := handle.read(STAMP_CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+        handle.seek(0)
         digest.update(handle.read(STAMP_EDGE_BYTES))
         if size > STAMP_EDGE_BYTES:
             handle.seek(max(STAMP_EDGE_BYTES, size - STAMP_EDGE_BYTES))
             digest.update(handle.read(STAMP_EDGE_BYTES))
-    return {"path": str(path.resolve()), "bytes": size, "edges_blake2b": digest.hexdigest()}
+    return {
+        "path": str(path.resolve()), "bytes": size, "edges_blake2b": digest.hexdigest(),
+        "crc32": f"{crc:08x}",
+    }  # fmt: skip
+
+
+def same_contents(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two stamps say one file's contents (wherever it lies). A stamp written
+    before the whole-file CRC was kept is compared by size and edges alone."""
+    a, b = a or {}, b or {}
+    keys = ["bytes", "edges_blake2b"] + (["crc32"] if "crc32" in a and "crc32" in b else [])
+    return all(a.get(k) == b.get(k) for k in keys)

@@ -626,6 +626,31 @@ def test_a_sweep_reruns_points_whose_trace_changed(tmp_path: Path) -> None:
     assert "0 already finished, 1 to run" in again.output
 
 
+def test_a_trace_edited_in_its_middle_keeping_its_size_is_another_version(
+    tmp_path: Path,
+) -> None:
+    """The stamp digested only the first and last MiB: a same-size edit between them
+    went unnoticed. A stamp of an older run, without the whole-file CRC, still matches by
+    size and edges (a sweep does not rerun every point after an upgrade)."""
+    from btb_lab.workload.trace_checks import STAMP_EDGE_BYTES, same_contents, trace_stamp
+
+    trace = tmp_path / "t.jsonl"
+    line = b'{"pad": "' + b"x" * 1000 + b'"}\n'
+    trace.write_bytes(line * (3 * STAMP_EDGE_BYTES // len(line)))
+    before = trace_stamp(trace)
+    data = bytearray(trace.read_bytes())
+    middle = len(data) // 2
+    data[middle] = ord("y")  # inside a pad string: the same size, still JSON
+    trace.write_bytes(bytes(data))
+    after = trace_stamp(trace)
+    assert after["bytes"] == before["bytes"]
+    assert after["edges_blake2b"] == before["edges_blake2b"]
+    assert not same_contents(before, after)
+    older = {k: v for k, v in before.items() if k != "crc32"}
+    assert same_contents(older, before)
+    assert same_contents(before, {**before, "path": "/elsewhere/t.jsonl"})  # a copy
+
+
 @pytest.mark.parametrize("value", ["nan", "2", "0"])
 def test_sim_costs_names_what_is_wrong_with_mfu(value: str) -> None:
     # NaN passed typer's range check to "should be less than or equal to 1"
