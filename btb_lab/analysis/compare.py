@@ -30,7 +30,7 @@ from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.errors import UserError
-from btb_lab.workload.trace_checks import same_contents
+from btb_lab.results.manifest import same_contents
 
 __all__ = [
     "COMPARED_METRICS",

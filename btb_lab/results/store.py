@@ -20,7 +20,7 @@ import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NamedTuple, TextIO, TypeAlias
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, TextIO
 
 import pandas as pd
 
@@ -28,12 +28,20 @@ from btb_lab.errors import OutputError, UserError, describe_os_error
 from btb_lab.records import (
     EVENT_COLUMNS,
     RECORD_COLUMNS,
-    STORED_COLUMNS,
     UTIL_COLUMNS,
     EventRecord,
     RequestRecord,
     UtilSample,
-    derive_timings,
+)
+from btb_lab.results.parts import (
+    ARROW_PART,
+    PART_TYPES,
+    PARTS_DIR,
+    part_schema,
+    read_parts,
+    typed_events,
+    typed_records,
+    typed_util,
 )
 
 if TYPE_CHECKING:
@@ -59,13 +67,6 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"  # results.manifest.Manifest reads and writes it
-PARTS_DIR = "parts"
-ARROW_PART = ".arrows"  # an Arrow IPC stream (ArrowRecordSink); the other parts are JSONL
-_FLOAT_COLUMNS = (
-    "arrival_s", "sent_s", "first_token_s", "finish_s", "queue_s", "kv_load_s",
-    "kv_transfer_s", "prefill_s", "decode_s",
-)  # fmt: skip
-_INT_COLUMNS = ("repeat", "input_tokens", "output_tokens", "cached_tokens", "turn")
 
 
 def new_run_id() -> str:
@@ -196,7 +197,7 @@ class ArrowRecordSink:
         parts.mkdir(parents=True, exist_ok=True)
         self.path = parts / _part_name(variant, repeat, "requests", ARROW_PART)
         self.count = 0
-        self._schema = _part_schema(_PART_TYPES["requests"])
+        self._schema = part_schema(PART_TYPES["requests"])
         # appending after an earlier stream (`_read_arrow_part` reads them in turn)
         self._fh: IO[bytes] | None = self.path.open("ab")
         self._writer: Any = pa.ipc.new_stream(self._fh, self._schema)
@@ -289,7 +290,7 @@ def _write_part(
             with pa.ipc.new_stream(fh, batch.schema) as writer:
                 writer.write_batch(batch)
         else:
-            names = list(_PART_TYPES[kind])
+            names = list(PART_TYPES[kind])
             for values in rows:
                 row = dict(zip(names, (variant, repeat, *values), strict=True))
                 fh.write(json.dumps(row, allow_nan=True).encode() + b"\n")
@@ -304,183 +305,13 @@ def _arrow_rows(
     where a value does not fit its column's type."""
     import pyarrow as pa
 
-    schema = _part_schema(_PART_TYPES[kind])
+    schema = part_schema(PART_TYPES[kind])
     columns: list[Any] = [[variant] * len(rows), [repeat] * len(rows)]
     columns += [[row[i] for row in rows] for i in range(len(schema) - 2)]
     try:
         return _arrow_batch(schema, columns)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
         return None
-
-
-# what `_read_parts` gives: one table of every part, or a dict per line of JSONL parts
-Rows: TypeAlias = "pa.Table | list[dict[str, Any]]"
-
-
-def _read_parts(run_dir: Path, kind: str) -> Rows:
-    """The rows of every `kind` part in order: as one Arrow table when pyarrow reads every
-    part with the column types below, else as one dict per line (stopping a part at a line
-    cut short by a crash). Either becomes a frame in `_frame`."""
-    folder = run_dir / PARTS_DIR
-    parts = sorted([*folder.glob(f"{kind}-*.jsonl"), *folder.glob(f"{kind}-*{ARROW_PART}")])
-    if parts and all(p.suffix == ARROW_PART for p in parts):
-        return _read_arrow_parts(parts, _PART_TYPES[kind])
-    mixed = any(p.suffix == ARROW_PART for p in parts)
-    table = _read_parts_columnar(parts, _PART_TYPES[kind]) if parts and not mixed else None
-    if table is not None:
-        return table
-    rows: list[dict[str, Any]] = []
-    for part in parts:
-        if part.suffix == ARROW_PART:  # beside JSONL parts (a directory older versions began)
-            rows.extend(_read_arrow_parts([part], _PART_TYPES[kind]).to_pylist())
-            continue
-        with part.open(encoding="utf-8") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a line cut short by a crash: everything before it is intact
-    return rows
-
-
-def _frame(rows: Rows, columns: list[str]) -> pd.DataFrame:
-    """`_read_parts`' rows as a frame of `columns`: an Arrow table column by column, without
-    a Python object per value."""
-    if isinstance(rows, list):
-        return pd.DataFrame(rows, columns=columns)
-    n = rows.num_rows
-    frame = {}
-    for name in columns:
-        column = rows.column(name)
-        # a column of nulls only is an object column of None, as pandas makes one from
-        # rows (its parquet type stays `null`: the same file either way)
-        nulls = column.null_count == n
-        frame[name] = pd.Series([None] * n, dtype=object) if nulls else column.to_pandas()
-    return pd.DataFrame(frame)
-
-
-def _part_types(
-    columns: Iterable[str], floats: Iterable[str], ints: Iterable[str]
-) -> dict[str, str]:
-    floats, ints = set(floats), set(ints)
-    return {
-        c: "float" if c in floats else "int" if c in ints else "bool" if c == "ok" else "str"
-        for c in columns
-    }
-
-
-_PART_TYPES = {
-    "requests": _part_types([*RECORD_COLUMNS, "extra"], _FLOAT_COLUMNS, _INT_COLUMNS),
-    "util": _part_types(UTIL_COLUMNS, ("time_s", "utilization", "memory_bytes"), ("repeat",)),
-    "events": _part_types(EVENT_COLUMNS, ("time_s", "value", "end_s"), ("repeat",)),
-}
-
-
-def _read_parts_columnar(parts: list[Path], types: dict[str, str]) -> pa.Table | None:
-    """`parts` as one Arrow table of `types` (JSON numbers in a float column as floats), or
-    None when some part needs the line reader: a line cut short, a value of another type."""
-    import pyarrow as pa
-    import pyarrow.json as pj
-
-    schema = _part_schema(types)
-    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    tables = []
-    for part in parts:
-        try:
-            tables.append(pj.read_json(part, parse_options=options).select(list(types)))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return None
-    return pa.concat_tables(tables)
-
-
-def _part_schema(types: dict[str, str]) -> Any:
-    import pyarrow as pa
-
-    kinds = {"float": pa.float64(), "int": pa.int64(), "bool": pa.bool_(), "str": pa.string()}
-    return pa.schema([(name, kinds[kind]) for name, kind in types.items()])
-
-
-def _read_arrow_parts(parts: list[Path], types: dict[str, str]) -> pa.Table:
-    """The Arrow parts as one table, as `_read_parts_columnar` gives it."""
-    import pyarrow as pa
-
-    batches = [batch for part in parts for batch in _read_arrow_part(part)]
-    return pa.Table.from_batches(batches, schema=_part_schema(types))
-
-
-def _read_arrow_part(path: Path) -> list[Any]:
-    """The record batches of one Arrow part: its streams one after another, up to a batch
-    cut short by a crash (everything before it is intact)."""
-    import pyarrow as pa
-
-    batches: list[Any] = []
-    with pa.OSFile(str(path)) as fh:
-        size = fh.size()
-        while fh.tell() < size:
-            try:
-                reader = pa.ipc.open_stream(fh)
-                while True:
-                    try:
-                        batches.append(reader.read_next_batch())
-                    except StopIteration:
-                        break
-            except (pa.ArrowInvalid, OSError):
-                break
-    return batches
-
-
-def _in_variant_order(frame: pd.DataFrame, order: list[str] | None) -> pd.DataFrame:
-    """The rows by `order`'s variants (one it lacks last), then repeat, ties as they were;
-    each variant's rank found once per distinct name, not per row."""
-    if not order:
-        return frame
-    import numpy as np
-    import pandas as pd
-
-    rank = {v: i for i, v in enumerate(order)}
-    codes = pd.Index(list(rank)).get_indexer(pd.Index(frame["variant"]))  # -1: not in it
-    ranks = np.append(np.fromiter(rank.values(), np.int64, len(rank)), len(rank))[codes]
-    return frame.iloc[np.lexsort((frame["repeat"].to_numpy(), ranks))]
-
-
-def _typed_records(rows: Rows, order: list[str] | None) -> pd.DataFrame:
-    """Rows of the parts as a typed frame with STORED_COLUMNS (+ `extra`)."""
-    frame = _frame(rows, [*RECORD_COLUMNS, "extra"])
-    for column in _FLOAT_COLUMNS:
-        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
-    for column in _INT_COLUMNS:
-        frame[column] = pd.to_numeric(frame[column], errors="coerce").fillna(0).astype("int64")
-    frame["ok"] = frame["ok"].fillna(False).astype(bool)
-    for column in ("variant", "request_id", "trace_id", "source", "instance", "route"):
-        frame[column] = frame[column].astype(str)
-    frame = _in_variant_order(frame, order)
-    frame = derive_timings(frame.reset_index(drop=True))
-    return frame[[*STORED_COLUMNS, "extra"]]
-
-
-def _typed_util(rows: Rows, order: list[str] | None) -> pd.DataFrame:
-    frame = _frame(rows, list(UTIL_COLUMNS))
-    for column in ("time_s", "utilization", "memory_bytes"):
-        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
-    frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
-    for column in ("variant", "instance", "device", "source"):
-        frame[column] = frame[column].astype(str)
-    frame = _in_variant_order(frame, order)
-    return frame.reset_index(drop=True)
-
-
-def _typed_events(rows: Rows, order: list[str] | None) -> pd.DataFrame:
-    frame = _frame(rows, list(EVENT_COLUMNS))
-    for column in ("time_s", "value", "end_s"):
-        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
-    frame["repeat"] = pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).astype("int64")
-    for column in ("variant", "kind", "instance", "peer", "request_id", "label", "origin"):
-        frame[column] = frame[column].fillna("").astype(str)
-    frame = _in_variant_order(frame, order)
-    return frame.reset_index(drop=True)
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
@@ -507,9 +338,9 @@ class StoredFrames(NamedTuple):
 
 # each kind of part: how its rows are typed, and the parquet file they are stored in
 _STORED = (
-    ("requests", _typed_records, "requests.parquet"),
-    ("util", _typed_util, "utilization.parquet"),
-    ("events", _typed_events, "events.parquet"),
+    ("requests", typed_records, "requests.parquet"),
+    ("util", typed_util, "utilization.parquet"),
+    ("events", typed_events, "events.parquet"),
 )
 
 
@@ -518,7 +349,7 @@ def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> S
     `utilization.parquet` and `events.parquet`; returns what was written."""
     written = []
     for kind, typed, name in _STORED:
-        frame = typed(_read_parts(run_dir, kind), variant_order)
+        frame = typed(read_parts(run_dir, kind, variant_order), variant_order)
         _write_parquet(frame, run_dir / name)
         written.append(frame if _round_trips(frame) else None)
     import pyarrow as pa
@@ -539,7 +370,7 @@ def stored_frames(run_dir: Path, variant_order: list[str] | None = None) -> Stor
 
     frames = []
     for kind, typed, _ in _STORED:
-        frame = typed(_read_parts(run_dir, kind), variant_order)
+        frame = typed(read_parts(run_dir, kind, variant_order), variant_order)
         if not _round_trips(frame):
             frame = pd.read_parquet(io.BytesIO(frame.to_parquet(None, index=False)))
         frames.append(frame)
@@ -574,14 +405,14 @@ def read_records(run_dir: Path, variant_order: list[str] | None = None) -> pd.Da
     frame = _read_parquet(run_dir / "requests.parquet")
     if frame is not None:
         return frame
-    return _typed_records(_read_parts(run_dir, "requests"), variant_order)
+    return typed_records(read_parts(run_dir, "requests", variant_order), variant_order)
 
 
 def read_utilization(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
     frame = _read_parquet(run_dir / "utilization.parquet")
     if frame is not None:
         return frame
-    return _typed_util(_read_parts(run_dir, "util"), variant_order)
+    return typed_util(read_parts(run_dir, "util", variant_order), variant_order)
 
 
 def read_events(run_dir: Path, variant_order: list[str] | None = None) -> pd.DataFrame:
@@ -590,4 +421,4 @@ def read_events(run_dir: Path, variant_order: list[str] | None = None) -> pd.Dat
     frame = _read_parquet(run_dir / "events.parquet")
     if frame is not None:
         return frame
-    return _typed_events(_read_parts(run_dir, "events"), variant_order)
+    return typed_events(read_parts(run_dir, "events", variant_order), variant_order)

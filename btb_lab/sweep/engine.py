@@ -151,7 +151,8 @@ def is_point_complete(task: PointTask, base_digest: str) -> bool:
 
 
 def _same_trace(stamp: dict[str, Any]) -> bool:
-    from btb_lab.workload.trace_checks import same_contents, trace_stamp
+    from btb_lab.results.manifest import same_contents
+    from btb_lab.workload.trace_checks import trace_stamp
 
     try:
         now = trace_stamp(Path(stamp["path"]))

@@ -10,7 +10,7 @@ are refused alike. Kept apart from `formats` so that module stays under 600 line
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from btb_lab.errors import UserError
 
@@ -20,7 +20,6 @@ __all__ = [
     "check_trace_input",
     "milliseconds_hint",
     "open_trace",
-    "same_contents",
     "token_count",
     "trace_stamp",
     "trace_stem",
@@ -138,7 +137,7 @@ def trace_stamp(path: Path) -> dict[str, object]:
     MiB, and a CRC-32 of the whole file (zlib's, about 0.1 s for a 160 MB trace: an edit
     in the middle that keeps the size is seen too). Not its modification time, so a copy
     on another machine stamps the same. A run records it; a sweep reruns a point, and
-    compare refuses a pair, whose trace it no longer matches (`same_contents`)."""
+    compare refuses a pair, whose trace it no longer matches (`results.manifest.same_contents`)."""
     import hashlib
     import zlib
 
@@ -157,11 +156,3 @@ def trace_stamp(path: Path) -> dict[str, object]:
         "path": str(path.resolve()), "bytes": size, "edges_blake2b": digest.hexdigest(),
         "crc32": f"{crc:08x}",
     }  # fmt: skip
-
-
-def same_contents(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Whether two stamps say one file's contents (wherever it lies). A stamp written
-    before the whole-file CRC was kept is compared by size and edges alone."""
-    a, b = a or {}, b or {}
-    keys = ["bytes", "edges_blake2b"] + (["crc32"] if "crc32" in a and "crc32" in b else [])
-    return all(a.get(k) == b.get(k) for k in keys)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from btb_lab.results import store
+from btb_lab.results import parts, store
 from tests.helpers import cli, python_env, write_small
 
 HARNESS = Path(__file__).with_name("fault_harness.py")
@@ -59,7 +59,7 @@ def stop_at(point: str, sig: signal.Signals, *args: str | Path, tmp_path: Path):
 def parts_records(run_dir: Path) -> int:
     """Records readable from the run's request parts (the simulator's Arrow parts)."""
     assert not list((run_dir / "parts").glob("requests-*.jsonl"))
-    return len(store._read_parts(run_dir, "requests"))  # a table's rows, or the line reader's
+    return len(parts.read_parts(run_dir, "requests"))  # a table's rows, or the line reader's
 
 
 def manifest(run_dir: Path) -> dict:

@@ -632,7 +632,8 @@ def test_a_trace_edited_in_its_middle_keeping_its_size_is_another_version(
     """The stamp digested only the first and last MiB: a same-size edit between them
     went unnoticed. A stamp of an older run, without the whole-file CRC, still matches by
     size and edges (a sweep does not rerun every point after an upgrade)."""
-    from btb_lab.workload.trace_checks import STAMP_EDGE_BYTES, same_contents, trace_stamp
+    from btb_lab.results.manifest import same_contents
+    from btb_lab.workload.trace_checks import STAMP_EDGE_BYTES, trace_stamp
 
     trace = tmp_path / "t.jsonl"
     line = b'{"pad": "' + b"x" * 1000 + b'"}\n'

@@ -222,7 +222,7 @@ def test_parts_read_as_columns_give_the_frames_the_line_reader_gives(
     import pandas as pd
 
     from btb_lab.records import EventRecord
-    from btb_lab.results import store
+    from btb_lab.results import parts, store
 
     odd = [
         rec(0),
@@ -251,18 +251,18 @@ def test_parts_read_as_columns_give_the_frames_the_line_reader_gives(
         EventRecord(0.5, "waiting", "C0", value=2),
     ])  # fmt: skip
     read = {
-        "requests": lambda: store._typed_records(store._read_parts(tmp_path, "requests"), ["v"]),
-        "util": lambda: store._typed_util(store._read_parts(tmp_path, "util"), ["v"]),
-        "events": lambda: store._typed_events(store._read_parts(tmp_path, "events"), ["v"]),
+        "requests": lambda: parts.typed_records(parts.read_parts(tmp_path, "requests"), ["v"]),
+        "util": lambda: parts.typed_util(parts.read_parts(tmp_path, "util"), ["v"]),
+        "events": lambda: parts.typed_events(parts.read_parts(tmp_path, "events"), ["v"]),
     }
     import pyarrow as pa
 
     for kind, frame_of in read.items():
-        assert isinstance(store._read_parts(tmp_path, kind), pa.Table)  # the columnar reader
+        assert isinstance(parts.read_parts(tmp_path, kind), pa.Table)  # the columnar reader
         columnar = frame_of()
         with monkeypatch.context() as patch:
-            patch.setattr(store, "_read_parts_columnar", lambda parts, types: None)
-            assert isinstance(store._read_parts(tmp_path, kind), list)
+            patch.setattr(parts, "_read_parts_columnar", lambda files, types: None)
+            assert isinstance(parts.read_parts(tmp_path, kind), list)
             lines = frame_of()
         pd.testing.assert_frame_equal(columnar, lines, check_exact=True)
     assert len(read["requests"]()) == 3
