@@ -96,15 +96,22 @@ def _repeat_multiplicity(
 
 
 def _uniform_counts(picks: np.ndarray, n_rows: int, rng: np.random.Generator) -> np.ndarray:
-    """Row counts (resamples × n_rows) when resample i picks `picks[i]` rows uniformly."""
+    """Row counts (resamples × n_rows) when resample i picks `picks[i]` rows uniformly.
+
+    The picks are drawn in one call (the same stream as ever) and counted a resample at a
+    time into the int32 result: a flat index and an int64 count per (resample, row), as
+    before, tripled the memory, and a run's first analysis spent ~0.3 s faulting it in."""
     samples = picks.size
     total = int(picks.sum())
     if n_rows == 0 or total == 0:
         return np.zeros((samples, n_rows), dtype=np.int64)
-    owner = np.repeat(np.arange(samples, dtype=np.int64), picks)
-    flat = owner * n_rows + rng.integers(0, n_rows, total)
-    counts = np.bincount(flat, minlength=samples * n_rows).astype(np.int32)
-    return counts.reshape(samples, n_rows)
+    drawn = rng.integers(0, n_rows, total)
+    counts = np.empty((samples, n_rows), dtype=np.int32)
+    start = 0
+    for i, end in enumerate(np.cumsum(picks).tolist()):
+        counts[i] = np.bincount(drawn[start:end], minlength=n_rows)
+        start = end
+    return counts
 
 
 # ---------------------------------------------------------------------------- percentiles
