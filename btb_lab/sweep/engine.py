@@ -129,9 +129,12 @@ def _point_record(task: PointTask, base_digest: str) -> dict[str, Any]:
     }
 
 
-def is_point_complete(task: PointTask, base_digest: str) -> bool:
+def is_point_complete(
+    task: PointTask, base_digest: str, stamps: dict[str, Any] | None = None
+) -> bool:
     """True when the point's run finished, was made from the same inputs and still has
-    its records (the table's intervals are computed from them)."""
+    its records (the table's intervals are computed from them). `stamps`: the trace
+    stamps taken so far in this pass over the points (each file is read once)."""
     from btb_lab.results import Manifest
 
     run_dir = Path(task.run_dir)
@@ -144,19 +147,23 @@ def is_point_complete(task: PointTask, base_digest: str) -> bool:
         return False
     if any(r.records for r in manifest.runs) and not (run_dir / "requests.parquet").is_file():
         return False  # the records it counts are gone: the table would drop the point
-    if manifest.trace is not None and not _same_trace(manifest.trace):
+    if manifest.trace is not None and not _same_trace(manifest.trace, stamps):
         return False  # its trace file was changed (or removed) since
     expected = _point_record(task, base_digest)
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
 
 
-def _same_trace(stamp: dict[str, Any]) -> bool:
+def _same_trace(stamp: dict[str, Any], stamps: dict[str, Any] | None) -> bool:
     from btb_lab.results.manifest import same_contents
     from btb_lab.workload.trace_checks import trace_stamp
 
+    stamps = {} if stamps is None else stamps
     try:
-        now = trace_stamp(Path(stamp["path"]))
-        return now["path"] == stamp["path"] and same_contents(now, stamp)
+        path = str(stamp["path"])
+        if path not in stamps:
+            stamps[path] = trace_stamp(Path(path))
+        now = stamps[path]
+        return bool(now["path"] == path and same_contents(now, stamp))
     except (OSError, KeyError, TypeError):
         return False
 
@@ -476,8 +483,9 @@ def run_sweep(
 
     outcome = SweepOutcome(sweep_dir=sweep_dir, points=points)
     todo: list[PointTask] = []
+    stamps: dict[str, Any] = {}  # a trace shared by the points is read once
     for task in tasks:
-        if is_point_complete(task, base_digest):
+        if is_point_complete(task, base_digest, stamps):
             outcome.skipped.append(task.point_id)
         else:
             run_dir = Path(task.run_dir)
