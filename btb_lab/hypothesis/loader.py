@@ -138,7 +138,10 @@ class _Where:
             # the override set this path, or made it (a key the file does not have)
             if _within(key, prefix) or (key and not written and _within(prefix, key)):
                 return origin
-        return f"{self.file}:{_line_for(path, self.lines)}"
+        here = f"{self.file}:{_line_for(path, self.lines)}"
+        # a check of the whole of something the file wrote and an override changed inside
+        inside = [origin for prefix, origin in self.overrides if key and _within(prefix, key)]
+        return f"{here} (with {', '.join(inside)})" if inside else here
 
 
 def _within(path: str, prefix: str) -> bool:

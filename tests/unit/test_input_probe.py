@@ -666,3 +666,15 @@ def test_a_negative_list_index_in_set_is_refused_at_the_flag(tmp_path: Path) -> 
         cli("run", path, "--dry-run", "--set", "cluster.instances.-1.count=x"),
         "--set cluster.instances.-1.count=x: cluster.instances.-1.count: index -1: count from 0",
     )
+
+
+def test_a_check_of_a_whole_section_names_the_override_that_changed_it(tmp_path: Path) -> None:
+    # `--set workload.generator=null` left the workload with neither source; the error
+    # named only the file's line, as if the file were wrong
+    path = write_small(tmp_path)
+    line = SMALL.splitlines().index("workload:") + 1
+    refused(
+        cli("run", path, "--dry-run", "--set", "workload.generator=null"),
+        f"{path}:{line} (with --set workload.generator=null): workload: give exactly one of "
+        "'trace' or 'generator'",
+    )
