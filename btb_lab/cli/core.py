@@ -361,12 +361,15 @@ def register(app: typer.Typer) -> None:
                 table.add_row(name, ", ".join(params) or "-")
             Console(width=160).print(table)
             return
-        from btb_lab.report.listing import list_hypotheses
+        from btb_lab.report.listing import list_hypotheses, shared_ids
 
+        rows = list_hypotheses(hypotheses, results)
         table = Table("id", "title", "file", "latest verdict", "run")
-        for row in list_hypotheses(hypotheses, results):
+        for row in rows:
             table.add_row(row.id, row.title, str(row.path), row.verdict or "-", row.run or "-")
         Console(width=160).print(table)
+        for line in shared_ids(rows):
+            typer.echo(line, err=True)
 
 
 def _print_summary(summary: Summary) -> None:

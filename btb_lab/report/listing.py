@@ -10,7 +10,7 @@ from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.results import full_runs
 from btb_lab.yamlio import compose_yaml
 
-__all__ = ["HypothesisRow", "latest_verdicts", "list_hypotheses"]
+__all__ = ["HypothesisRow", "latest_verdicts", "list_hypotheses", "shared_ids"]
 
 
 @dataclass
@@ -66,3 +66,18 @@ def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
         verdict, run = verdicts.get(hid, (None, None))
         rows.append(HypothesisRow(hid, title, path, verdict, run))
     return rows
+
+
+def shared_ids(rows: list[HypothesisRow]) -> list[str]:
+    """A note per id that several listed files give: their runs are stored under one id,
+    so each row shows the newest run of any of them."""
+    files: dict[str, list[str]] = {}
+    for row in rows:
+        if row.id != "?":
+            files.setdefault(row.id, []).append(row.path.name)
+    return [
+        f"note: {hid} is the id of {', '.join(names)}: their runs are stored together, and "
+        "each row shows the newest of them (give each file its own id)"
+        for hid, names in files.items()
+        if len(names) > 1
+    ]

@@ -678,3 +678,14 @@ def test_a_check_of_a_whole_section_names_the_override_that_changed_it(tmp_path:
         f"{path}:{line} (with --set workload.generator=null): workload: give exactly one of "
         "'trace' or 'generator'",
     )
+
+
+def test_list_notes_an_id_that_several_files_share(tmp_path: Path) -> None:
+    # both rows showed the same run as their own, without a word
+    folder = tmp_path / "hyps"
+    folder.mkdir()
+    for name in ("a.yaml", "b.yaml"):
+        (folder / name).write_text(SMALL, encoding="utf-8")
+    result = cli("list", "--hypotheses", folder, "--results", tmp_path / "results")
+    assert result.code == 0, result.output
+    assert "is the id of a.yaml, b.yaml: their runs are stored together" in result.output
