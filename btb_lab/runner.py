@@ -677,12 +677,17 @@ def _check_sim_sampling(
         samples = instances * (span_s / interval_s + 1)
         if samples > MAX_UTIL_SAMPLES:
             raise UserError(
-                f"{loaded.path}: sim.sample_interval_s: the workload spans {span_s:,.0f} s of "
-                f"simulated time; sampling {instances} instances every {interval_s:g} s "
-                f"(variant {name}) keeps {samples:,.0f} utilization samples, more than the "
+                f"{loaded.path}: sim.sample_interval_s: the workload spans {_count(span_s)} s "
+                f"of simulated time; sampling {instances} instances every {interval_s:g} s "
+                f"(variant {name}) keeps {_count(samples)} utilization samples, more than the "
                 f"limit of {MAX_UTIL_SAMPLES:,}: raise sim.sample_interval_s or shorten the "
                 "workload (time_scale, window_gap_s)"
             )
+
+
+def _count(value: float) -> str:
+    """`1,234,567`, or `1.2e+300` where the digits would run on."""
+    return f"{value:,.0f}" if value < 1e15 else f"{value:.3g}"
 
 
 def _repeats_needed(

@@ -689,3 +689,15 @@ def test_list_notes_an_id_that_several_files_share(tmp_path: Path) -> None:
     result = cli("list", "--hypotheses", folder, "--results", tmp_path / "results")
     assert result.code == 0, result.output
     assert "is the id of a.yaml, b.yaml: their runs are stored together" in result.output
+
+
+def test_the_sampling_limit_message_writes_huge_counts_short(tmp_path: Path) -> None:
+    # `time_scale: 1e300` printed the span and the sample count as 300-digit numbers
+    path = write_small(
+        tmp_path,
+        **{"    params: {requests: 60, rate_per_s: 4.0}":
+           "    params: {requests: 60, rate_per_s: 4.0}\n  time_scale: 1.0e300"},
+    )  # fmt: skip
+    result = cli("run", path, "--no-progress", "--out", tmp_path / "out")
+    refused(result, "e+30", "utilization samples, more than the limit of 10,000,000")
+    assert "000,000,000,000,000,000" not in result.output
