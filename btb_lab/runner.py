@@ -435,6 +435,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     several = plan.repeats > 1 or hyp.auto_repeats
     if workloads is None and several and hyp.workload.trace is not None:
         workloads = WorkloadCache()
+    stamp = _stamp_ahead(plan)  # the trace's CRC is read while the trace loads
     first_requests = _load_requests(loaded, first_seed, workloads)
     plan.notes = workload_notes(hyp, first_requests)
     versions = _versions()
@@ -450,7 +451,8 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     # up (a sweep worker meets SIGTERM as its point starts) still marks it interrupted.
     try:
         with terminate_interrupts():
-            manifest = _new_manifest(run_dir, options, plan, len(first_requests), versions)
+            manifest = _new_manifest(run_dir, options, plan, len(first_requests), versions,
+                                     stamp())  # fmt: skip
             _open_run_dir(run_dir, manifest)
             with _Progress(options.progress, threaded=jobs == 1) as progress:
                 repeat = 0
@@ -531,7 +533,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
 
 def _new_manifest(
     run_dir: Path, options: RunOptions, plan: RunPlan, requests_per_run: int,
-    versions: dict[str, str],
+    versions: dict[str, str], trace: dict[str, Any] | None,
 ) -> Manifest:  # fmt: skip
     hyp, loaded = plan.hypothesis, plan.loaded
     return Manifest(
@@ -549,12 +551,39 @@ def _new_manifest(
         requests_per_run=requests_per_run,
         notes=plan.notes,
         runs_planned=len(plan.variants) * plan.repeats,
-        trace=_trace_stamp(plan),
+        trace=trace,
         versions=versions,
         git=_git_commit(loaded.base_dir),
         host={"hostname": socket.gethostname(), "platform": platform.platform()},
         started=_now(),
     )
+
+
+def _stamp_ahead(plan: RunPlan) -> Callable[[], dict[str, Any] | None]:
+    """`_trace_stamp` started on a thread (its CRC reads the whole file outside the
+    interpreter lock, beside the load); call the result to join the thread and take the
+    stamp (or its error). Joined before the manifest, so before any worker forks."""
+    import threading
+
+    out: list[Any] = []
+
+    def work() -> None:
+        try:
+            out.append(_trace_stamp(plan))
+        except BaseException as exc:  # handed to the caller
+            out.append(exc)
+
+    thread = threading.Thread(target=work, name="btb-lab-stamp")
+    thread.start()
+
+    def result() -> dict[str, Any] | None:
+        thread.join()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        stamp: dict[str, Any] | None = out[0]
+        return stamp
+
+    return result
 
 
 def _trace_stamp(plan: RunPlan) -> dict[str, Any] | None:
