@@ -561,27 +561,20 @@ def _new_manifest(
 
 def _stamp_ahead(plan: RunPlan) -> Callable[[], dict[str, Any] | None]:
     """`_trace_stamp` started on a thread (its CRC reads the whole file outside the
-    interpreter lock, beside the load); call the result to join the thread and take the
-    stamp (or its error). Joined before the manifest, so before any worker forks."""
-    import threading
+    interpreter lock, beside the load); call the result to take the stamp (or its error)
+    with the thread joined: before the manifest, so before any worker forks."""
+    if plan.hypothesis.workload.trace is None:
+        return lambda: None
+    from concurrent.futures import ThreadPoolExecutor
 
-    out: list[Any] = []
-
-    def work() -> None:
-        try:
-            out.append(_trace_stamp(plan))
-        except BaseException as exc:  # handed to the caller
-            out.append(exc)
-
-    thread = threading.Thread(target=work, name="btb-lab-stamp")
-    thread.start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="btb-lab-stamp")
+    future = pool.submit(_trace_stamp, plan)
 
     def result() -> dict[str, Any] | None:
-        thread.join()
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        stamp: dict[str, Any] | None = out[0]
-        return stamp
+        try:
+            return future.result()
+        finally:
+            pool.shutdown()
 
     return result
 
