@@ -464,6 +464,29 @@ def evaluate_verdict(
     return verdict
 
 
+def recorded_by_both(
+    records: pd.DataFrame, baseline: str, variant: str
+) -> tuple[pd.DataFrame, str]:
+    """The records of `baseline` and `variant` cut to the requests (repeat, request id)
+    both recorded, and a sentence saying what was cut ("" if nothing). In a run stopped
+    part-way, a variant holds only the workload's first requests; next to the baseline's
+    whole workload its latencies would measure how far the run got, not the variant."""
+    two = records[records["variant"].isin([baseline, variant])]
+    if two.empty:
+        return two, ""
+    both = two.groupby(["repeat", "request_id"], sort=False)["variant"].transform("nunique") == 2
+    if bool(both.all()):
+        return two, ""
+    kept = two[both.to_numpy()]
+    counts = two["variant"].value_counts()
+    n_base, n_var = int(counts.get(baseline, 0)), int(counts.get(variant, 0))
+    n_kept = int((kept["variant"] == variant).sum())
+    return kept, (
+        f"`{variant}` is compared with `{baseline}` on the {n_kept:,} requests both recorded "
+        f"({variant} recorded {n_var:,}, {baseline} {n_base:,})"
+    )
+
+
 def distinct_repeats(
     records: pd.DataFrame, util: pd.DataFrame
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[int, int]]:
@@ -522,6 +545,8 @@ def _evaluate(
         )
     results: dict[str, VariantVerdict] = {}
     judged: dict[str, _Judged] = {}
+    pairs: dict[str, pd.DataFrame] = {}
+    cut: list[str] = []
     for v in others:
         broken = sorted({baseline, v} & failed_set)
         if broken:
@@ -529,10 +554,15 @@ def _evaluate(
                 variant=v, word=INCONCLUSIVE, reason=f"{', '.join(broken)}: failed or missing runs"
             )
             continue
-        judged[v] = _compare(records, util, rule, baseline, v, rule.metric, rule.klass, seed)
+        pairs[v] = records
+        if incomplete:
+            pairs[v], dropped = recorded_by_both(records, baseline, v)
+            if dropped:
+                cut.append(dropped)
+        judged[v] = _compare(pairs[v], util, rule, baseline, v, rule.metric, rule.klass, seed)
     _adjust(judged, rule)
     for v, j in judged.items():
-        results[v] = _decide(records, util, rule, baseline, v, seed, j.comparison)
+        results[v] = _decide(pairs[v], util, rule, baseline, v, seed, j.comparison)
     results = {v: results[v] for v in others}
     if incomplete:
         done = sorted(set(records["variant"].unique()) if len(records) else set())
@@ -540,7 +570,8 @@ def _evaluate(
             word=INCONCLUSIVE,
             reason=(incomplete if isinstance(incomplete, str) else "run incomplete (interrupted)")
             + "; variants with records: "
-            + (", ".join(done) or "none"),
+            + (", ".join(done) or "none")
+            + "".join(f"; {text}" for text in cut),
             variants=results,
         )
     best = max(results.values(), key=lambda r: (_RANK[r.word], -others.index(r.variant)))

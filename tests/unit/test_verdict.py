@@ -303,3 +303,28 @@ def test_percentile_from_counts_matches_numpy_on_resamples() -> None:
                 column[rows], f"p{q:g}"
             )
     assert np.isnan(counts_percentile(column[:4], np.zeros(4, dtype=int), 0.9))
+
+
+def test_an_interrupted_variant_is_compared_on_the_requests_both_recorded() -> None:
+    """A variant stopped after the workload's first requests: its latencies stand next to
+    the baseline's on those requests only, not next to the baseline's whole workload (here
+    the later requests are slow, as a workload's busy part is)."""
+    base = records("base", 1.0, n=200, seed=1)
+    for row in base[80:]:  # the part the stopped variant never reached
+        row["first_token_s"] *= 10
+        row["finish_s"] = row["first_token_s"] + 1.0
+    new = records("new", 1.0, n=200, seed=1)[:80]
+    frame = derive_timings(pd.DataFrame(base + new))
+    v = evaluate_verdict(
+        frame, EMPTY_UTIL, VerdictRule(metric="ttft_p90", min_effect=0.05), baseline="base",
+        variants=["base", "new"], seed=1, incomplete=True,
+    )  # fmt: skip
+    assert v.word == "INCONCLUSIVE"
+    primary = v.variants["new"].primary
+    assert primary.change == 0.0  # the same latencies on the same 80 requests
+    assert primary.ok_baseline == primary.ok_variant == 80
+    assert "on the 80 requests both recorded (new recorded 80, base 200)" in v.reason
+    # a complete run's comparison is not cut (a failed request is recorded, not missing)
+    whole = judge(base + records("new", 1.0, n=200, seed=1))
+    assert "both recorded" not in whole.reason
+    assert whole.variants["new"].primary.ok_baseline == 200
