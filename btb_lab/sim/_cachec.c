@@ -34,6 +34,7 @@ typedef struct {
     int32_t pins;
     int32_t flags;
     int32_t after; /* the entry that followed this one in the last walk that probed for it */
+    int32_t mark;  /* RoutedBlocks: its memo's generation when a memoized walk held it */
     double pending_s;
 } Entry;
 
@@ -157,6 +158,7 @@ static int32_t table_get(Table *t, PyObject *key, Py_hash_t hash) {
     e->hprev = e->hnext = e->rprev = e->rnext = e->after = NONE_I;
     e->pins = 0;
     e->flags = 0;
+    e->mark = -1;
     e->pending_s = 0.0;
     size_t k = home_slot(hash, t->mask);
     while (t->slot[k] != NONE_I) k = (k + 1) & t->mask;
@@ -1036,10 +1038,13 @@ typedef struct {
     /* the last `lead` walk: its tuple (owned), its answer, the entry of its last block
      * held, and `version` then. A burst's requests ask every instance about the same
      * prefix; while an instance's blocks stay the same, a question whose items are the
-     * last walk's (by identity) is answered from it, not block by block in the table. */
+     * last walk's (by identity) is answered from it, not block by block in the table.
+     * Added blocks only lengthen leads, so once blocks were added the walk goes on from
+     * where the shared items and the memo's answer end; the memo is dropped when a block
+     * it held drops out (each held entry's `mark` is `memo_gen`). */
     PyObject *memo;
     Py_ssize_t memo_n;
-    int32_t memo_cur;
+    int32_t memo_cur, memo_gen;
     uint64_t memo_version, version; /* `version`: bumped when a block is added or dropped */
 } Routed;
 
@@ -1086,6 +1091,7 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
     while (r->lru.n > r->cap_blocks) {
         int32_t old = r->lru.head;
         UNLINK(t, old, hprev, hnext, &r->lru);
+        if (t->e[old].mark == r->memo_gen) Py_CLEAR(r->memo);
         t->e[old].flags = 0;
         table_release(t, old);
         changed = 1;
@@ -1102,31 +1108,36 @@ fail:
 static PyObject *routed_lead(Routed *r, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
+    int store = PyTuple_CheckExact(obj); /* only a tuple: its items cannot change under the memo */
     Py_ssize_t n = 0;
     int32_t cur = NONE_I, held = NONE_I;
-    if (r->memo != NULL && r->memo_version == r->version) {
+    if (r->memo != NULL) {
         PyObject **a = s.items, **b = &PyTuple_GET_ITEM(r->memo, 0);
         Py_ssize_t m = Py_MIN(s.len, PyTuple_GET_SIZE(r->memo)), same = 0;
         while (same < m && a[same] == b[same]) same++;
-        if (r->memo_n < same || (same == s.len && r->memo_n >= same)) {
+        if (r->memo_version == r->version &&
+            (r->memo_n < same || (same == s.len && r->memo_n >= same))) {
             /* the block the last walk stopped at is asked again and still absent, or
              * every block asked was held then and still is */
             Py_ssize_t answer = Py_MIN(r->memo_n, s.len);
             seq_close(&s);
             return PyLong_FromSsize_t(answer);
         }
-        if (r->memo_n == same) { /* go on from where the last walk stopped */
-            n = same;
-            cur = held = r->memo_cur;
-        }
+        /* the memo's held blocks are all still here: go on from where they and the
+         * shared items end */
+        n = Py_MIN(same, r->memo_n);
+        if (n == r->memo_n) cur = held = r->memo_cur;
     }
+    if (store && n == 0) /* a new memo: the old one's marks no longer count */
+        r->memo_gen = r->memo_gen == INT32_MAX ? 0 : r->memo_gen + 1;
     for (; n < s.len; n++) {
         int32_t i = walk(&r->t, s.items[n], &cur, 0);
         if (i == -2) goto fail;
         if (i == NONE_I) break;
+        if (store) r->t.e[i].mark = r->memo_gen;
         held = i;
     }
-    if (PyTuple_CheckExact(obj)) { /* only a tuple: its items cannot change under the memo */
+    if (store) {
         Py_INCREF(obj);
         Py_XSETREF(r->memo, obj);
         r->memo_n = n;
@@ -1136,6 +1147,7 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
     seq_close(&s);
     return PyLong_FromSsize_t(n);
 fail:
+    Py_CLEAR(r->memo); /* its generation may have moved on */
     seq_close(&s);
     return NULL;
 }
