@@ -465,26 +465,39 @@ def evaluate_verdict(
 
 
 def recorded_by_both(
-    records: pd.DataFrame, baseline: str, variant: str
-) -> tuple[pd.DataFrame, str]:
+    records: pd.DataFrame, util: pd.DataFrame, baseline: str, variant: str
+) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     """The records of `baseline` and `variant` cut to the requests (repeat, request id)
-    both recorded, and a sentence saying what was cut ("" if nothing). In a run stopped
-    part-way, a variant holds only the workload's first requests; next to the baseline's
-    whole workload its latencies would measure how far the run got, not the variant."""
+    both recorded, their GPU samples to the time both covered, and a sentence saying what
+    was cut ("" if nothing). In a run stopped part-way, a variant holds only the
+    workload's first requests; next to the baseline's whole workload its figures would
+    measure how far the run got, not the variant."""
     two = records[records["variant"].isin([baseline, variant])]
-    if two.empty:
-        return two, ""
-    both = two.groupby(["repeat", "request_id"], sort=False)["variant"].transform("nunique") == 2
-    if bool(both.all()):
-        return two, ""
-    kept = two[both.to_numpy()]
-    counts = two["variant"].value_counts()
-    n_base, n_var = int(counts.get(baseline, 0)), int(counts.get(variant, 0))
-    n_kept = int((kept["variant"] == variant).sum())
-    return kept, (
-        f"`{variant}` is compared with `{baseline}` on the {n_kept:,} requests both recorded "
-        f"({variant} recorded {n_var:,}, {baseline} {n_base:,})"
-    )
+    notes: list[str] = []
+    if not two.empty:
+        key = ["repeat", "request_id"]
+        both = two.groupby(key, sort=False)["variant"].transform("nunique") == 2
+        if not bool(both.all()):
+            kept = two[both.to_numpy()]
+            counts = two["variant"].value_counts()
+            n_base, n_var = int(counts.get(baseline, 0)), int(counts.get(variant, 0))
+            notes.append(
+                f"`{variant}` is compared with `{baseline}` on the "
+                f"{int((kept['variant'] == variant).sum()):,} requests both recorded "
+                f"({variant} recorded {n_var:,}, {baseline} {n_base:,})"
+            )
+            two = kept
+    samples = util
+    if not util.empty and {"variant", "repeat", "time_s"} <= set(util.columns):
+        samples = util[util["variant"].isin([baseline, variant])]
+        ends = samples.groupby(["repeat", "variant"], sort=False)["time_s"].max().unstack()
+        end_s = ends.min(axis=1) if ends.shape[1] == 2 else ends.iloc[:, 0] * math.nan
+        limit = samples["repeat"].map(end_s).to_numpy(dtype=float)
+        inside = samples["time_s"].to_numpy(dtype=float) <= limit  # NaN limit: none kept
+        if not inside.all():
+            samples = samples[inside]
+            notes.append("GPU samples up to the time both covered")
+    return two, samples, "; ".join(notes)
 
 
 def distinct_repeats(
@@ -545,7 +558,7 @@ def _evaluate(
         )
     results: dict[str, VariantVerdict] = {}
     judged: dict[str, _Judged] = {}
-    pairs: dict[str, pd.DataFrame] = {}
+    pairs: dict[str, tuple[pd.DataFrame, pd.DataFrame]] = {}
     cut: list[str] = []
     for v in others:
         broken = sorted({baseline, v} & failed_set)
@@ -554,15 +567,16 @@ def _evaluate(
                 variant=v, word=INCONCLUSIVE, reason=f"{', '.join(broken)}: failed or missing runs"
             )
             continue
-        pairs[v] = records
+        pairs[v] = (records, util)
         if incomplete:
-            pairs[v], dropped = recorded_by_both(records, baseline, v)
+            cut_records, cut_util, dropped = recorded_by_both(records, util, baseline, v)
+            pairs[v] = (cut_records, cut_util)
             if dropped:
                 cut.append(dropped)
-        judged[v] = _compare(pairs[v], util, rule, baseline, v, rule.metric, rule.klass, seed)
+        judged[v] = _compare(*pairs[v], rule, baseline, v, rule.metric, rule.klass, seed)
     _adjust(judged, rule)
     for v, j in judged.items():
-        results[v] = _decide(pairs[v], util, rule, baseline, v, seed, j.comparison)
+        results[v] = _decide(*pairs[v], rule, baseline, v, seed, j.comparison)
     results = {v: results[v] for v in others}
     if incomplete:
         done = sorted(set(records["variant"].unique()) if len(records) else set())

@@ -328,3 +328,25 @@ def test_an_interrupted_variant_is_compared_on_the_requests_both_recorded() -> N
     whole = judge(base + records("new", 1.0, n=200, seed=1))
     assert "both recorded" not in whole.reason
     assert whole.variants["new"].primary.ok_baseline == 200
+
+
+def test_an_interrupted_variant_is_compared_on_the_gpu_time_both_covered() -> None:
+    """GPU samples of a variant stopped at 20 s stand next to the baseline's first 20 s,
+    not its whole run (here the baseline's load spreads evenly only later)."""
+
+    def busy(var: str, t: int, k: int) -> float:
+        if var == "base" and t > 20:
+            return 0.5
+        return 0.2 + 0.6 * k + 0.01 * (t % 3)
+
+    util = pd.DataFrame([
+        {"variant": var, "repeat": 0, "time_s": float(t), "instance": f"C{k}", "device": "sim",
+         "utilization": busy(var, t, k)}
+        for var in ("base", "new") for t in range(60 if var == "base" else 21) for k in range(2)
+    ])  # fmt: skip
+    frame = derive_timings(pd.DataFrame(records("base", 1.0) + records("new", 1.0)))
+    v = evaluate_verdict(frame, util, VerdictRule(metric="gpu_imbalance"), baseline="base",
+                         variants=["base", "new"], seed=0, incomplete=True)  # fmt: skip
+    primary = v.variants["new"].primary
+    assert primary.change == 0.0  # the same samples over the same 21 s
+    assert "GPU samples up to the time both covered" in v.reason
