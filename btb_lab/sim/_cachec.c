@@ -34,7 +34,7 @@ typedef struct {
     int32_t pins;
     int32_t flags;
     int32_t after; /* the entry that followed this one in the last walk that probed for it */
-    int32_t mark;  /* RoutedBlocks: its memo's generation when a memoized walk held it */
+    int32_t mark;  /* RoutedBlocks: its `epoch` when a memoized walk held it */
     double pending_s;
 } Entry;
 
@@ -1030,23 +1030,37 @@ static PyTypeObject CacheType = {
 };
 
 /* ------------------------------------------------------------------ RoutedBlocks */
+/* A `lead` walk remembered: its tuple (owned; NULL: none), its answer, the entry of its
+ * last block held, and the view's `version` then. A burst's requests ask every instance
+ * about the same prefix, several bursts at once; a question whose items begin as a
+ * memo's (by identity) is answered from it, not block by block in the table: at once
+ * while the instance's blocks stay the same, and otherwise by going on from where the
+ * shared items and the memo's answer end, since blocks only added lengthen leads. Each
+ * prefix's questions find their memo by their first item's address. The memos are
+ * dropped when a block one of them held drops out (its entry's `mark` is `epoch`). */
+#define MEMO_SLOTS 8
+typedef struct {
+    PyObject *tuple;
+    Py_ssize_t n;
+    int32_t cur;
+    uint64_t version;
+} Memo;
+
 typedef struct {
     PyObject_HEAD
     Table t;
     List lru;
     long long cap_blocks;
-    /* the last `lead` walk: its tuple (owned), its answer, the entry of its last block
-     * held, and `version` then. A burst's requests ask every instance about the same
-     * prefix; while an instance's blocks stay the same, a question whose items are the
-     * last walk's (by identity) is answered from it, not block by block in the table.
-     * Added blocks only lengthen leads, so once blocks were added the walk goes on from
-     * where the shared items and the memo's answer end; the memo is dropped when a block
-     * it held drops out (each held entry's `mark` is `memo_gen`). */
-    PyObject *memo;
-    Py_ssize_t memo_n;
-    int32_t memo_cur, memo_gen;
-    uint64_t memo_version, version; /* `version`: bumped when a block is added or dropped */
+    Memo memo[MEMO_SLOTS];
+    int32_t epoch; /* the `mark` of every entry a memo holds */
+    uint64_t version; /* bumped when a block is added or dropped */
 } Routed;
+
+/* Every memo is dropped (a block one of them held drops out, or the view is reset). */
+static void routed_forget(Routed *r) {
+    for (int k = 0; k < MEMO_SLOTS; k++) Py_CLEAR(r->memo[k].tuple);
+    r->epoch = r->epoch == INT32_MAX ? 0 : r->epoch + 1;
+}
 
 static int routed_init(Routed *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"cap_blocks", NULL};
@@ -1056,13 +1070,13 @@ static int routed_init(Routed *self, PyObject *args, PyObject *kw) {
     self->cap_blocks = cap;
     self->lru.head = self->lru.tail = NONE_I;
     self->lru.n = 0;
-    Py_CLEAR(self->memo);
+    routed_forget(self);
     self->version++;
     return 0;
 }
 
 static void routed_dealloc(Routed *self) {
-    Py_CLEAR(self->memo);
+    routed_forget(self);
     table_free(&self->t);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1091,7 +1105,7 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
     while (r->lru.n > r->cap_blocks) {
         int32_t old = r->lru.head;
         UNLINK(t, old, hprev, hnext, &r->lru);
-        if (t->e[old].mark == r->memo_gen) Py_CLEAR(r->memo);
+        if (t->e[old].mark == r->epoch) routed_forget(r);
         t->e[old].flags = 0;
         table_release(t, old);
         changed = 1;
@@ -1108,46 +1122,46 @@ fail:
 static PyObject *routed_lead(Routed *r, PyObject *obj) {
     Seq s;
     if (seq_open(&s, obj) < 0) return NULL;
-    int store = PyTuple_CheckExact(obj); /* only a tuple: its items cannot change under the memo */
+    if (s.len == 0) {
+        seq_close(&s);
+        return PyLong_FromSsize_t(0);
+    }
+    int store = PyTuple_CheckExact(obj); /* only a tuple: its items cannot change under a memo */
+    Memo *memo = &r->memo[((uintptr_t)s.items[0] >> 4) % MEMO_SLOTS];
     Py_ssize_t n = 0;
     int32_t cur = NONE_I, held = NONE_I;
-    if (r->memo != NULL) {
-        PyObject **a = s.items, **b = &PyTuple_GET_ITEM(r->memo, 0);
-        Py_ssize_t m = Py_MIN(s.len, PyTuple_GET_SIZE(r->memo)), same = 0;
+    if (memo->tuple != NULL) {
+        PyObject **a = s.items, **b = &PyTuple_GET_ITEM(memo->tuple, 0);
+        Py_ssize_t m = Py_MIN(s.len, PyTuple_GET_SIZE(memo->tuple)), same = 0;
         while (same < m && a[same] == b[same]) same++;
-        if (r->memo_version == r->version &&
-            (r->memo_n < same || (same == s.len && r->memo_n >= same))) {
-            /* the block the last walk stopped at is asked again and still absent, or
+        if (memo->version == r->version && (memo->n < same || (same == s.len && memo->n >= same))) {
+            /* the block the memo's walk stopped at is asked again and still absent, or
              * every block asked was held then and still is */
-            Py_ssize_t answer = Py_MIN(r->memo_n, s.len);
+            Py_ssize_t answer = Py_MIN(memo->n, s.len);
             seq_close(&s);
             return PyLong_FromSsize_t(answer);
         }
-        /* the memo's held blocks are all still here: go on from where they and the
-         * shared items end */
-        n = Py_MIN(same, r->memo_n);
-        if (n == r->memo_n) cur = held = r->memo_cur;
+        /* the memo's held blocks are all still here */
+        n = Py_MIN(same, memo->n);
+        if (n == memo->n) cur = held = memo->cur;
     }
-    if (store && n == 0) /* a new memo: the old one's marks no longer count */
-        r->memo_gen = r->memo_gen == INT32_MAX ? 0 : r->memo_gen + 1;
     for (; n < s.len; n++) {
         int32_t i = walk(&r->t, s.items[n], &cur, 0);
         if (i == -2) goto fail;
         if (i == NONE_I) break;
-        if (store) r->t.e[i].mark = r->memo_gen;
+        if (store) r->t.e[i].mark = r->epoch;
         held = i;
     }
     if (store) {
         Py_INCREF(obj);
-        Py_XSETREF(r->memo, obj);
-        r->memo_n = n;
-        r->memo_cur = held;
-        r->memo_version = r->version;
+        Py_XSETREF(memo->tuple, obj);
+        memo->n = n;
+        memo->cur = held;
+        memo->version = r->version;
     }
     seq_close(&s);
     return PyLong_FromSsize_t(n);
 fail:
-    Py_CLEAR(r->memo); /* its generation may have moved on */
     seq_close(&s);
     return NULL;
 }
