@@ -34,7 +34,7 @@ typedef struct {
     int32_t pins;
     int32_t flags;
     int32_t after; /* the entry that followed this one in the last walk that probed for it */
-    int32_t mark;  /* RoutedBlocks: its `epoch` when a memoized walk held it */
+    int32_t mark;  /* RoutedBlocks: which memo's walk held it (`memo_mark`, MARK_SHARED) */
     double pending_s;
 } Entry;
 
@@ -1036,13 +1036,17 @@ static PyTypeObject CacheType = {
  * memo's (by identity) is answered from it, not block by block in the table: at once
  * while the instance's blocks stay the same, and otherwise by going on from where the
  * shared items and the memo's answer end, since blocks only added lengthen leads. Each
- * prefix's questions find their memo by their first item's address. The memos are
- * dropped when a block one of them held drops out (its entry's `mark` is `epoch`). */
-#define MEMO_SLOTS 8
+ * prefix's questions find their memo by their first item's address. A memo is dropped
+ * when a block it held drops out: each held entry's `mark` names the memo and its
+ * generation, or is MARK_SHARED when memos of two slots held it (its drop drops all). */
+#define MEMO_BITS 3
+#define MEMO_SLOTS (1 << MEMO_BITS)
+#define MEMO_GENS (1 << 27) /* memo_mark stays a positive int32 */
+#define MARK_SHARED (-2)
 typedef struct {
     PyObject *tuple;
     Py_ssize_t n;
-    int32_t cur;
+    int32_t cur, gen; /* `gen`: bumped when the memo is dropped or begun anew */
     uint64_t version;
 } Memo;
 
@@ -1052,14 +1056,28 @@ typedef struct {
     List lru;
     long long cap_blocks;
     Memo memo[MEMO_SLOTS];
-    int32_t epoch; /* the `mark` of every entry a memo holds */
     uint64_t version; /* bumped when a block is added or dropped */
 } Routed;
 
-/* Every memo is dropped (a block one of them held drops out, or the view is reset). */
+static inline int32_t memo_mark(Routed *r, int k) { return r->memo[k].gen * MEMO_SLOTS + k; }
+
+/* Memo `k` is dropped; the marks of its walks no longer count. */
+static void memo_forget(Routed *r, int k) {
+    Py_CLEAR(r->memo[k].tuple);
+    r->memo[k].gen = (r->memo[k].gen + 1) % MEMO_GENS;
+}
+
 static void routed_forget(Routed *r) {
-    for (int k = 0; k < MEMO_SLOTS; k++) Py_CLEAR(r->memo[k].tuple);
-    r->epoch = r->epoch == INT32_MAX ? 0 : r->epoch + 1;
+    for (int k = 0; k < MEMO_SLOTS; k++) memo_forget(r, k);
+}
+
+/* An entry with `mark` drops out: the memos that held it are dropped. */
+static inline void forget_holders(Routed *r, int32_t mark) {
+    if (mark == MARK_SHARED) {
+        routed_forget(r);
+    } else if (mark >= 0 && mark == memo_mark(r, mark % MEMO_SLOTS)) {
+        memo_forget(r, mark % MEMO_SLOTS);
+    }
 }
 
 static int routed_init(Routed *self, PyObject *args, PyObject *kw) {
@@ -1105,7 +1123,7 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
     while (r->lru.n > r->cap_blocks) {
         int32_t old = r->lru.head;
         UNLINK(t, old, hprev, hnext, &r->lru);
-        if (t->e[old].mark == r->epoch) routed_forget(r);
+        forget_holders(r, t->e[old].mark);
         t->e[old].flags = 0;
         table_release(t, old);
         changed = 1;
@@ -1127,7 +1145,9 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
         return PyLong_FromSsize_t(0);
     }
     int store = PyTuple_CheckExact(obj); /* only a tuple: its items cannot change under a memo */
-    Memo *memo = &r->memo[((uintptr_t)s.items[0] >> 4) % MEMO_SLOTS];
+    /* Fibonacci hashing of the address: objects' low bits are alike */
+    int slot = (int)(((uint64_t)(uintptr_t)s.items[0] * 0x9E3779B97F4A7C15ULL) >> (64 - MEMO_BITS));
+    Memo *memo = &r->memo[slot];
     Py_ssize_t n = 0;
     int32_t cur = NONE_I, held = NONE_I;
     if (memo->tuple != NULL) {
@@ -1145,11 +1165,17 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
         n = Py_MIN(same, memo->n);
         if (n == memo->n) cur = held = memo->cur;
     }
+    if (store && n == 0) memo_forget(r, slot); /* begun anew */
+    int32_t mine = memo_mark(r, slot);
     for (; n < s.len; n++) {
         int32_t i = walk(&r->t, s.items[n], &cur, 0);
         if (i == -2) goto fail;
         if (i == NONE_I) break;
-        if (store) r->t.e[i].mark = r->epoch;
+        if (store) {
+            int32_t m = r->t.e[i].mark;
+            if (m != mine && m != MARK_SHARED)  /* held by another slot's live memo: shared */
+                r->t.e[i].mark = m >= 0 && m == memo_mark(r, m % MEMO_SLOTS) ? MARK_SHARED : mine;
+        }
         held = i;
     }
     if (store) {
