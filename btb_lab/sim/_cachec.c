@@ -1030,23 +1030,36 @@ static PyTypeObject CacheType = {
 };
 
 /* ------------------------------------------------------------------ RoutedBlocks */
-/* A `lead` walk remembered: its tuple (owned; NULL: none), its answer, the entry of its
- * last block held, and the view's `version` then. A burst's requests ask every instance
- * about the same prefix, several bursts at once; a question whose items begin as a
- * memo's (by identity) is answered from it, not block by block in the table: at once
- * while the instance's blocks stay the same, and otherwise by going on from where the
- * shared items and the memo's answer end, since blocks only added lengthen leads. Each
- * prefix's questions find their memo by their first item's address. A memo is dropped
- * when a block it held drops out: each held entry's `mark` names the memo and its
- * generation, or is MARK_SHARED when memos of two slots held it (its drop drops all). */
+/* What a walk over a prefix learnt, kept per prefix: a burst's requests ask every instance
+ * about the same prefix and note it on one, several bursts at once, so walking it block by
+ * block each time would repeat the same work. Each prefix's questions find their memo by
+ * their first item's address; a memo is matched by identity of items.
+ *
+ * `lead`: the memo's tuple, its answer `n`, the entry `cur` of its last block held, and
+ * the view's `version` then. A question whose items begin as the memo's is answered at
+ * once while the instance's blocks stay the same, and otherwise goes on from where the
+ * shared items and the memo's answer end, since blocks only added lengthen leads.
+ *
+ * `note`: the first `s_n` items of the memo's tuple are, in order, a stretch of the LRU
+ * list no other memo's blocks are in (entries `s_first`..`s_last`, each stamped `s_stamp`
+ * in its `rprev`, unused by this LRU). Noting a tuple that begins with them moves them as
+ * one run without a walk (run_move would find each right after the one before); a
+ * stretch is cut back to the items a question shares by following `hprev`.
+ *
+ * Each entry a memo holds has its `mark` (the memo's slot and generation, `memo_mark`),
+ * or MARK_SHARED when memos of two slots hold it. A memo is dropped when a block it holds
+ * drops out (all of them for a shared block); a stretch is dropped when another memo's
+ * walk, or a note, reaches one of its blocks. */
 #define MEMO_BITS 3
 #define MEMO_SLOTS (1 << MEMO_BITS)
 #define MEMO_GENS (1 << 27) /* memo_mark stays a positive int32 */
 #define MARK_SHARED (-2)
+#define STRETCH_BACK 16 /* a stretch is cut back this many blocks at most, else dropped */
 typedef struct {
-    PyObject *tuple;
-    Py_ssize_t n;
+    PyObject *tuple; /* owned; NULL: none */
+    Py_ssize_t n, s_n;
     int32_t cur, gen; /* `gen`: bumped when the memo is dropped or begun anew */
+    int32_t s_first, s_last, s_stamp;
     uint64_t version;
 } Memo;
 
@@ -1056,14 +1069,21 @@ typedef struct {
     List lru;
     long long cap_blocks;
     Memo memo[MEMO_SLOTS];
+    int32_t stamps;   /* the last stretch stamp given out */
     uint64_t version; /* bumped when a block is added or dropped */
 } Routed;
+
+/* Fibonacci hashing of the first item's address: objects' low bits are alike. */
+static inline int memo_slot(PyObject *first) {
+    return (int)(((uint64_t)(uintptr_t)first * 0x9E3779B97F4A7C15ULL) >> (64 - MEMO_BITS));
+}
 
 static inline int32_t memo_mark(Routed *r, int k) { return r->memo[k].gen * MEMO_SLOTS + k; }
 
 /* Memo `k` is dropped; the marks of its walks no longer count. */
 static void memo_forget(Routed *r, int k) {
     Py_CLEAR(r->memo[k].tuple);
+    r->memo[k].s_n = 0;
     r->memo[k].gen = (r->memo[k].gen + 1) % MEMO_GENS;
 }
 
@@ -1078,6 +1098,44 @@ static inline void forget_holders(Routed *r, int32_t mark) {
     } else if (mark >= 0 && mark == memo_mark(r, mark % MEMO_SLOTS)) {
         memo_forget(r, mark % MEMO_SLOTS);
     }
+}
+
+/* Entry `e` is reached by a walk of the memo marked `mine` (-1: a walk no memo keeps,
+ * which only moves blocks). Another memo holding it loses its stretch, and shares the
+ * entry when `mine` keeps it too. 0 when the entry is shared. */
+static inline int memo_reach(Routed *r, Entry *e, int32_t mine) {
+    int32_t m = e->mark;
+    if (m == mine) return 1;
+    if (m == MARK_SHARED) return 0;
+    if (m >= 0 && m == memo_mark(r, m % MEMO_SLOTS)) { /* another memo's, alive */
+        r->memo[m % MEMO_SLOTS].s_n = 0;
+        if (mine < 0) return 1;
+        e->mark = MARK_SHARED;
+        return 0;
+    }
+    if (mine >= 0) e->mark = mine;
+    return 1;
+}
+
+/* Memo `m`'s stretch cut to its first `keep` items. */
+static inline void stretch_cut(Table *t, Memo *m, Py_ssize_t keep) {
+    if (keep >= m->s_n) return;
+    if (keep <= 0 || m->s_n - keep > STRETCH_BACK) {
+        m->s_n = 0;
+        return;
+    }
+    int32_t last = m->s_last;
+    for (Py_ssize_t k = m->s_n; k > keep; k--) last = t->e[last].hprev;
+    m->s_last = last;
+    m->s_n = keep;
+}
+
+/* How many leading items `s` shares (by identity) with memo `m`'s tuple, up to `limit`. */
+static inline Py_ssize_t memo_same(Memo *m, Seq *s, Py_ssize_t limit) {
+    PyObject **a = s->items, **b = &PyTuple_GET_ITEM(m->tuple, 0);
+    Py_ssize_t n = Py_MIN(Py_MIN(s->len, PyTuple_GET_SIZE(m->tuple)), limit), same = 0;
+    while (same < n && a[same] == b[same]) same++;
+    return same;
 }
 
 static int routed_init(Routed *self, PyObject *args, PyObject *kw) {
@@ -1107,14 +1165,43 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
     int32_t cur = NONE_I;
     Run run = RUN_EMPTY;
     int changed = 0;
-    for (Py_ssize_t k = 0; k < s.len; k++) {
+    /* a tuple's blocks, none twice and none another memo holds, become its memo's stretch */
+    int keep = PyTuple_CheckExact(obj) && s.len > 0, own = keep;
+    int slot = keep ? memo_slot(s.items[0]) : 0;
+    Memo *memo = &r->memo[slot];
+    int32_t mine = -1, stamp = 0;
+    Py_ssize_t k = 0;
+    if (keep) {
+        if (memo->tuple != NULL && memo->s_n > 0) {
+            stretch_cut(t, memo, memo_same(memo, &s, memo->s_n));
+            if (memo->s_n > 0) { /* its stretch moves as the run so far */
+                k = memo->s_n;
+                run.first = memo->s_first;
+                run.last = cur = memo->s_last;
+                stamp = memo->s_stamp;
+            }
+        }
+        if (k == 0) { /* begun anew */
+            memo_forget(r, slot);
+            r->stamps = r->stamps == INT32_MAX ? 0 : r->stamps + 1;
+            stamp = r->stamps;
+        }
+        mine = memo_mark(r, slot);
+    }
+    for (; k < s.len; k++) {
         int32_t live = t->n_live;
         int32_t i = walk(t, s.items[k], &cur, 1);
         if (i < 0) goto fail;
         int linked = t->n_live == live;
+        Entry *e = &t->e[i];
         if (!linked) { /* a new block */
             changed = 1;
-            t->e[i].flags |= F_HBM;
+            e->flags |= F_HBM;
+        }
+        if (!memo_reach(r, e, mine)) own = 0;
+        if (keep) {
+            if (e->rprev == stamp) own = 0; /* twice in this tuple (or stamped before) */
+            e->rprev = stamp;
         }
         run_move(t, &r->lru, &run, i, linked);
     }
@@ -1129,10 +1216,24 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
         changed = 1;
     }
     r->version += changed;
+    if (keep) {
+        if (own && mine == memo_mark(r, slot)) { /* every block held, none dropped since */
+            Py_INCREF(obj);
+            Py_XSETREF(memo->tuple, obj);
+            memo->n = memo->s_n = s.len;
+            memo->cur = memo->s_last = run.last;
+            memo->s_first = run.first;
+            memo->s_stamp = stamp;
+            memo->version = r->version;
+        } else {
+            memo->s_n = 0;
+        }
+    }
     Py_RETURN_NONE;
 fail:
     seq_close(&s);
     run_to_newest(t, &r->lru, &run);
+    if (keep) memo->s_n = 0;
     r->version++; /* blocks may have been added before the error */
     return NULL;
 }
@@ -1145,15 +1246,12 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
         return PyLong_FromSsize_t(0);
     }
     int store = PyTuple_CheckExact(obj); /* only a tuple: its items cannot change under a memo */
-    /* Fibonacci hashing of the address: objects' low bits are alike */
-    int slot = (int)(((uint64_t)(uintptr_t)s.items[0] * 0x9E3779B97F4A7C15ULL) >> (64 - MEMO_BITS));
+    int slot = memo_slot(s.items[0]);
     Memo *memo = &r->memo[slot];
-    Py_ssize_t n = 0;
+    Py_ssize_t n = 0, same = 0;
     int32_t cur = NONE_I, held = NONE_I;
     if (memo->tuple != NULL) {
-        PyObject **a = s.items, **b = &PyTuple_GET_ITEM(memo->tuple, 0);
-        Py_ssize_t m = Py_MIN(s.len, PyTuple_GET_SIZE(memo->tuple)), same = 0;
-        while (same < m && a[same] == b[same]) same++;
+        same = memo_same(memo, &s, PY_SSIZE_T_MAX);
         if (memo->version == r->version && (memo->n < same || (same == s.len && memo->n >= same))) {
             /* the block the memo's walk stopped at is asked again and still absent, or
              * every block asked was held then and still is */
@@ -1166,19 +1264,16 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
         if (n == memo->n) cur = held = memo->cur;
     }
     if (store && n == 0) memo_forget(r, slot); /* begun anew */
-    int32_t mine = memo_mark(r, slot);
+    int32_t mine = store ? memo_mark(r, slot) : -1;
     for (; n < s.len; n++) {
         int32_t i = walk(&r->t, s.items[n], &cur, 0);
         if (i == -2) goto fail;
         if (i == NONE_I) break;
-        if (store) {
-            int32_t m = r->t.e[i].mark;
-            if (m != mine && m != MARK_SHARED)  /* held by another slot's live memo: shared */
-                r->t.e[i].mark = m >= 0 && m == memo_mark(r, m % MEMO_SLOTS) ? MARK_SHARED : mine;
-        }
+        if (store) memo_reach(r, &r->t.e[i], mine);
         held = i;
     }
     if (store) {
+        if (memo->tuple != NULL) stretch_cut(&r->t, memo, same); /* the items kept */
         Py_INCREF(obj);
         Py_XSETREF(memo->tuple, obj);
         memo->n = n;
