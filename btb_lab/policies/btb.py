@@ -37,7 +37,6 @@ Choices the seed leaves open, made here and documented:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import struct
@@ -149,9 +148,23 @@ def prefix_key(blocks: Sequence[int]) -> bytes:
     return _digest(blocks)
 
 
-@functools.lru_cache(maxsize=1024)
+# (first id, last id, length) -> (prefix, key): a burst's prefixes are equal tuples, but
+# hashing a 256-id tuple to look it up costs more than comparing it with the one found
+_TUPLE_KEYS: dict[tuple[int, int, int], tuple[tuple[int, ...], bytes]] = {}
+
+
 def _prefix_key_of_tuple(blocks: tuple[int, ...]) -> bytes:
-    return _digest(blocks)
+    if not blocks:
+        return _digest(blocks)
+    probe = (blocks[0], blocks[-1], len(blocks))
+    hit = _TUPLE_KEYS.get(probe)
+    if hit is not None and hit[0] == blocks:
+        return hit[1]
+    key = _digest(blocks)
+    if len(_TUPLE_KEYS) >= 4096:
+        _TUPLE_KEYS.clear()
+    _TUPLE_KEYS[probe] = (blocks, key)
+    return key
 
 
 def _digest(blocks: Sequence[int]) -> bytes:

@@ -208,6 +208,12 @@ def test_prefix_key_is_a_blake2b_digest_of_the_block_ids() -> None:
     assert prefix_key(huge) == hashlib.blake2b(b"1180591620717411303424,5", digest_size=16).digest()
     # tuples are memoized (a burst shares its prefix); lists and equal tuples agree
     assert prefix_key([1, 2, 3]) == prefix_key(tuple(int(str(b)) for b in blocks)) == expected
+    # the memo finds a prefix by its ends and length: one that differs inside is another
+    assert (
+        prefix_key((1, 7, 3))
+        == hashlib.blake2b(struct.pack("<3q", 1, 7, 3), digest_size=16).digest()
+    )
+    assert prefix_key(blocks) == expected
     assert prefix_key(blocks) == expected  # a hit gives the same digest
 
 
