@@ -38,12 +38,22 @@ typedef struct {
     double pending_s;
 } Entry;
 
+#define FIRST_BITS 4
+
 typedef struct {
     Entry *e;
     int32_t n_alloc, n_live, free_head;
     int32_t *slot; /* open addressing, linear probing; NONE_I when empty */
     size_t mask;
+    /* the entries walks began at lately, by their key's address (FIRST_BITS): every
+     * operation on a prefix begins a walk at its first block, which has no entry before
+     * it to give a hint */
+    int32_t first[1 << FIRST_BITS];
 } Table;
+
+static inline int first_slot(PyObject *key) {
+    return (int)(((uint64_t)(uintptr_t)key * 0x9E3779B97F4A7C15ULL) >> (64 - FIRST_BITS));
+}
 
 typedef struct {
     int32_t head, tail; /* oldest, newest */
@@ -68,6 +78,7 @@ static int table_init(Table *t) {
     }
     t->free_head = 0;
     t->n_live = 0;
+    for (int k = 0; k < (1 << FIRST_BITS); k++) t->first[k] = NONE_I;
     return 0;
 }
 
@@ -215,7 +226,7 @@ static int32_t walk_probe(Table *t, PyObject *key, int32_t *cur, int create, int
 
 HOT int32_t walk(Table *t, PyObject *key, int32_t *cur, int create) {
     int32_t prev = *cur;
-    int32_t next = prev != NONE_I ? t->e[prev].after : NONE_I;
+    int32_t next = prev != NONE_I ? t->e[prev].after : t->first[first_slot(key)];
     if (next != NONE_I && t->e[next].key == key) {
         *cur = next;
         return next;
@@ -238,7 +249,10 @@ COLD int32_t walk_probe(Table *t, PyObject *key, int32_t *cur, int create, int32
     }
     int32_t i = create ? table_get(t, key, hash) : table_find(t, key, hash);
     if (i == -2) return -2;
-    if (i != NONE_I && prev != NONE_I && i != prev) t->e[prev].after = i;
+    if (i != NONE_I && i != prev) {
+        if (prev != NONE_I) t->e[prev].after = i;
+        else t->first[first_slot(key)] = i;
+    }
     *cur = i;
     return i;
 }
