@@ -41,9 +41,14 @@ typedef struct {
 #define FIRST_BITS 4
 
 typedef struct {
+    int32_t i;    /* the entry */
+    uint32_t tag; /* its hash_tag: the home slot in its low bits */
+} Slot;
+
+typedef struct {
     Entry *e;
     int32_t n_alloc, n_live, free_head;
-    int32_t *slot; /* open addressing, linear probing; NONE_I when empty */
+    Slot *slot; /* open addressing, linear probing; `i` NONE_I when empty */
     size_t mask;
     /* the entries walks began at lately, by their key's address (FIRST_BITS): every
      * operation on a prefix begins a walk at its first block, which has no entry before
@@ -65,12 +70,12 @@ static int table_init(Table *t) {
     t->n_alloc = 64;
     t->e = PyMem_Malloc(sizeof(Entry) * (size_t)t->n_alloc);
     t->mask = 127;
-    t->slot = PyMem_Malloc(sizeof(int32_t) * (t->mask + 1));
+    t->slot = PyMem_Malloc(sizeof(Slot) * (t->mask + 1));
     if (!t->e || !t->slot) {
         PyErr_NoMemory();
         return -1;
     }
-    for (size_t k = 0; k <= t->mask; k++) t->slot[k] = NONE_I;
+    for (size_t k = 0; k <= t->mask; k++) t->slot[k].i = NONE_I;
     for (int32_t i = 0; i < t->n_alloc; i++) {
         t->e[i].key = NULL;
         t->e[i].after = NONE_I;
@@ -92,46 +97,73 @@ static void table_free(Table *t) {
     t->slot = NULL;
 }
 
-/* The slot a hash probes first. Python hashes an int to its value, and a trace's integer
- * ids (Mooncake's) count up, so `hash & mask` would lay the live blocks out as long runs
- * of full slots: every deletion then shifts back a whole run, every probe into one walks
- * to its end. Fibonacci hashing spreads consecutive hashes over the table. */
-static inline size_t home_slot(Py_hash_t hash, size_t mask) {
+/* The slot a hash probes first is its tag's low bits. Python hashes an int to its value,
+ * and a trace's integer ids (Mooncake's) count up, so `hash & mask` would lay the live
+ * blocks out as long runs of full slots: every deletion then shifts back a whole run,
+ * every probe into one walks to its end. Fibonacci hashing spreads consecutive hashes
+ * over the table. A slot keeps its entry's tag beside the index, so a probe passes other
+ * entries, and a deletion shifts them back, without reading the entries themselves (a
+ * cache miss each on a large table). */
+static inline uint32_t hash_tag(Py_hash_t hash) {
     uint64_t x = (uint64_t)hash * 0x9E3779B97F4A7C15ULL;
-    return (size_t)(x ^ (x >> 32)) & mask;
+    return (uint32_t)(x ^ (x >> 32));
+}
+
+/* The slot of `key` (hash `hash`, its tag `tag`), or of the empty slot where its probe
+ * ends; `*i`: its entry, or NONE_I; -1 with an exception set. */
+static inline int table_probe(Table *t, PyObject *key, Py_hash_t hash, uint32_t tag,
+                              size_t *k_out, int32_t *i_out) {
+    size_t k = tag & t->mask;
+    for (;;) {
+        Slot sl = t->slot[k];
+        if (sl.i == NONE_I) break;
+        if (sl.tag == tag) {
+            Entry *e = &t->e[sl.i];
+            if (e->key == key) {
+                *k_out = k;
+                *i_out = sl.i;
+                return 0;
+            }
+            if (e->hash == hash) {
+                int eq = PyObject_RichCompareBool(e->key, key, Py_EQ);
+                if (eq < 0) return -1;
+                if (eq > 0) {
+                    *k_out = k;
+                    *i_out = sl.i;
+                    return 0;
+                }
+            }
+        }
+        k = (k + 1) & t->mask;
+    }
+    *k_out = k;
+    *i_out = NONE_I;
+    return 0;
 }
 
 /* The entry of `key` (hash `hash`), or NONE_I; -2 with an exception set. */
 static inline int32_t table_find(Table *t, PyObject *key, Py_hash_t hash) {
-    size_t k = home_slot(hash, t->mask);
-    for (;;) {
-        int32_t i = t->slot[k];
-        if (i == NONE_I) return NONE_I;
-        Entry *e = &t->e[i];
-        if (e->key == key) return i;
-        if (e->hash == hash) {
-            int eq = PyObject_RichCompareBool(e->key, key, Py_EQ);
-            if (eq > 0) return i;
-            if (eq < 0) return -2;
-        }
-        k = (k + 1) & t->mask;
-    }
+    size_t k;
+    int32_t i;
+    if (table_probe(t, key, hash, hash_tag(hash), &k, &i) < 0) return -2;
+    return i;
 }
 
 static int table_grow_slots(Table *t) {
     size_t size = (t->mask + 1) * 2;
-    int32_t *slot = PyMem_Malloc(sizeof(int32_t) * size);
+    Slot *slot = PyMem_Malloc(sizeof(Slot) * size);
     if (!slot) {
         PyErr_NoMemory();
         return -1;
     }
-    for (size_t k = 0; k < size; k++) slot[k] = NONE_I;
+    for (size_t k = 0; k < size; k++) slot[k].i = NONE_I;
     size_t mask = size - 1;
-    for (int32_t i = 0; i < t->n_alloc; i++) {
-        if (!t->e[i].key) continue;
-        size_t k = home_slot(t->e[i].hash, mask);
-        while (slot[k] != NONE_I) k = (k + 1) & mask;
-        slot[k] = i;
+    for (size_t j = 0; j <= t->mask; j++) {
+        Slot sl = t->slot[j];
+        if (sl.i == NONE_I) continue;
+        size_t k = sl.tag & mask;
+        while (slot[k].i != NONE_I) k = (k + 1) & mask;
+        slot[k] = sl;
     }
     PyMem_Free(t->slot);
     t->slot = slot;
@@ -141,9 +173,16 @@ static int table_grow_slots(Table *t) {
 
 /* The entry of `key`, created empty if absent; -2 with an exception set. */
 static int32_t table_get(Table *t, PyObject *key, Py_hash_t hash) {
-    int32_t i = table_find(t, key, hash);
+    uint32_t tag = hash_tag(hash);
+    size_t k;
+    int32_t i;
+    if (table_probe(t, key, hash, tag, &k, &i) < 0) return -2;
     if (i != NONE_I) return i;
-    if ((size_t)(t->n_live + 1) * 2 > t->mask + 1 && table_grow_slots(t) < 0) return -2;
+    if ((size_t)(t->n_live + 1) * 2 > t->mask + 1) {
+        if (table_grow_slots(t) < 0) return -2;
+        k = tag & t->mask; /* where the probe ends in the grown table */
+        while (t->slot[k].i != NONE_I) k = (k + 1) & t->mask;
+    }
     if (t->free_head == NONE_I) {
         int32_t n = t->n_alloc * 2;
         Entry *e = PyMem_Realloc(t->e, sizeof(Entry) * (size_t)n);
@@ -171,9 +210,8 @@ static int32_t table_get(Table *t, PyObject *key, Py_hash_t hash) {
     e->flags = 0;
     e->mark = -1;
     e->pending_s = 0.0;
-    size_t k = home_slot(hash, t->mask);
-    while (t->slot[k] != NONE_I) k = (k + 1) & t->mask;
-    t->slot[k] = i;
+    t->slot[k].i = i;
+    t->slot[k].tag = tag;
     t->n_live++;
     return i;
 }
@@ -183,22 +221,22 @@ static void table_release(Table *t, int32_t i) {
     Entry *e = &t->e[i];
     if (e->flags || e->pins) return;
     size_t mask = t->mask;
-    size_t k = home_slot(e->hash, mask);
-    while (t->slot[k] != i) k = (k + 1) & mask;
+    size_t k = hash_tag(e->hash) & mask;
+    while (t->slot[k].i != i) k = (k + 1) & mask;
     size_t hole = k;
     for (;;) {
         k = (k + 1) & mask;
-        int32_t j = t->slot[k];
-        if (j == NONE_I) break;
-        size_t home = home_slot(t->e[j].hash, mask);
-        /* move j back into the hole unless its home lies cyclically in (hole, k] */
+        Slot sl = t->slot[k];
+        if (sl.i == NONE_I) break;
+        size_t home = sl.tag & mask;
+        /* move it back into the hole unless its home lies cyclically in (hole, k] */
         int in_between = hole <= k ? (home > hole && home <= k) : (home > hole || home <= k);
         if (!in_between) {
-            t->slot[hole] = j;
+            t->slot[hole] = sl;
             hole = k;
         }
     }
-    t->slot[hole] = NONE_I;
+    t->slot[hole].i = NONE_I;
     Py_CLEAR(e->key);
     e->hnext = t->free_head;
     t->free_head = i;
