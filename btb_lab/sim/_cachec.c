@@ -56,8 +56,10 @@ typedef struct {
     int32_t first[1 << FIRST_BITS];
 } Table;
 
-static inline int first_slot(PyObject *key) {
-    return (int)(((uint64_t)(uintptr_t)key * 0x9E3779B97F4A7C15ULL) >> (64 - FIRST_BITS));
+/* The top `bits` bits of an object's address, Fibonacci-hashed: objects' low address
+ * bits are alike. */
+static inline int address_bits(PyObject *obj, int bits) {
+    return (int)(((uint64_t)(uintptr_t)obj * 0x9E3779B97F4A7C15ULL) >> (64 - bits));
 }
 
 typedef struct {
@@ -264,7 +266,7 @@ static int32_t walk_probe(Table *t, PyObject *key, int32_t *cur, int create, int
 
 HOT int32_t walk(Table *t, PyObject *key, int32_t *cur, int create) {
     int32_t prev = *cur;
-    int32_t next = prev != NONE_I ? t->e[prev].after : t->first[first_slot(key)];
+    int32_t next = prev != NONE_I ? t->e[prev].after : t->first[address_bits(key, FIRST_BITS)];
     if (next != NONE_I && t->e[next].key == key) {
         *cur = next;
         return next;
@@ -289,7 +291,7 @@ COLD int32_t walk_probe(Table *t, PyObject *key, int32_t *cur, int create, int32
     if (i == -2) return -2;
     if (i != NONE_I && i != prev) {
         if (prev != NONE_I) t->e[prev].after = i;
-        else t->first[first_slot(key)] = i;
+        else t->first[address_bits(key, FIRST_BITS)] = i;
     }
     *cur = i;
     return i;
@@ -1125,11 +1127,6 @@ typedef struct {
     uint64_t version; /* bumped when a block is added or dropped */
 } Routed;
 
-/* Fibonacci hashing of the first item's address: objects' low bits are alike. */
-static inline int memo_slot(PyObject *first) {
-    return (int)(((uint64_t)(uintptr_t)first * 0x9E3779B97F4A7C15ULL) >> (64 - MEMO_BITS));
-}
-
 static inline int32_t memo_mark(Routed *r, int k) { return r->memo[k].gen * MEMO_SLOTS + k; }
 
 /* Memo `k` is dropped; the marks of its walks no longer count. */
@@ -1219,7 +1216,7 @@ static PyObject *routed_note(Routed *r, PyObject *obj) {
     int changed = 0;
     /* a tuple's blocks, none twice and none another memo holds, become its memo's stretch */
     int keep = PyTuple_CheckExact(obj) && s.len > 0, own = keep;
-    int slot = keep ? memo_slot(s.items[0]) : 0;
+    int slot = keep ? address_bits(s.items[0], MEMO_BITS) : 0;
     Memo *memo = &r->memo[slot];
     int32_t mine = -1, stamp = 0;
     Py_ssize_t k = 0;
@@ -1298,7 +1295,7 @@ static PyObject *routed_lead(Routed *r, PyObject *obj) {
         return PyLong_FromSsize_t(0);
     }
     int store = PyTuple_CheckExact(obj); /* only a tuple: its items cannot change under a memo */
-    int slot = memo_slot(s.items[0]);
+    int slot = address_bits(s.items[0], MEMO_BITS);
     Memo *memo = &r->memo[slot];
     Py_ssize_t n = 0, same = 0;
     int32_t cur = NONE_I, held = NONE_I;
