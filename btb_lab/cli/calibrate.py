@@ -33,8 +33,9 @@ def register(app: typer.Typer) -> None:
         repeats: int = typer.Option(3, "--repeats", min=1, help="Measurements per point."),
         seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     ) -> None:
-        """Measure prefill and decode curves, fit the engine's cost profile, print its fit
-        quality (including points held out of the fit) and write the profile file."""
+        """Measure prefill and decode curves and write a fitted cost profile.
+
+        Prints the fit's quality, including points held out of the fit."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         from btb_lab.calibrate.run import CalibrationTarget, calibrate, target_from_hypothesis

@@ -266,8 +266,10 @@ def register(app: typer.Typer) -> None:
         ),
         results: Path = typer.Option(Path("results"), "--results", help="Results root."),
     ) -> None:
-        """How far one world's answer is from another's: per variant and class, TTFT / TPOT /
-        E2E errors beside the reference's run-to-run spread, verdict and ranking agreement."""
+        """How far one world's answer is from another's (sim vs real, or any two runs).
+
+        Per variant and class: TTFT / TPOT / E2E errors beside the reference's spread.
+        Then whether the verdicts and the variants' ranking agree."""
         from btb_lab.report.compare import write_comparison
         from btb_lab.results import Manifest, new_run_id, resolve_run_dir
 

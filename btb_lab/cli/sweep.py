@@ -36,8 +36,10 @@ def register(app: typer.Typer) -> None:
         seed: int | None = typer.Option(None, "--seed", min=0, help="Master seed for every point."),
         dry_run: bool = typer.Option(False, "--dry-run", help="List the points and exit."),
     ) -> None:
-        """Run every point of a sweep as its own run directory, skipping finished points
-        (resume), then write table.csv, table.md and plot.png into the sweep directory."""
+        """Run every point of a sweep, then write its table and plot.
+
+        Each point is its own run directory; finished points are skipped (resume).
+        table.csv, table.md and plot.png go into the sweep directory."""
         from btb_lab.sweep import default_sweep_dir, expand_points, load_sweep, run_sweep
         from btb_lab.sweep.engine import check_points, plan_tasks
 
@@ -88,9 +90,10 @@ def register(app: typer.Typer) -> None:
             [], "--set", help="KEY=VALUE override for every point (YAML value), repeatable."
         ),
     ) -> None:
-        """Assumption waterfall: start from a profile's rules and switch them to btb-lab's
-        causal defaults one at a time, cumulatively; writes the sweep of every step, then
-        waterfall.csv / .md / .png with the headline per setup and step."""
+        """Assumption waterfall: a profile's rules switched to btb-lab's one at a time.
+
+        Each step switches one more rule to btb-lab's causal default (cumulative).
+        Writes every step's sweep, then waterfall.csv / .md / .png: headline per step."""
         from btb_lab.sweep.ablate import run_ablation
         from btb_lab.yamlio import parse_assignments
 
