@@ -261,6 +261,8 @@ class Summary(_Stored):
     variants: dict[str, VariantSummary] = Field(default_factory=dict)
     exclusion: Exclusion | None = None
     repeats: int | None = None  # repeats run (with `repeats: auto`, where it stopped)
+    # an incomplete run: what its tables were cut to, so the variants share requests
+    tables_cover: str | None = None
 
     def save(self, run_dir: Path) -> None:
         """Write `summary.json` atomically."""

@@ -16,7 +16,14 @@ import pandas as pd
 from btb_lab.analysis.models import Exclusion
 from btb_lab.config.hypothesis import Exclude
 
-__all__ = ["apply_exclusion", "in_pool", "measured_window", "rows_where", "variant_rows"]
+__all__ = [
+    "apply_exclusion",
+    "in_pool",
+    "measured_window",
+    "recorded_by_all",
+    "rows_where",
+    "variant_rows",
+]
 
 
 def _window_mask(rows: pd.DataFrame, rule: Exclude) -> np.ndarray:
@@ -82,6 +89,38 @@ def apply_exclusion(
         last_requests=rule.last_requests, excluded=counts(excluded), kept=counts(kept_records),
     )  # fmt: skip
     return kept_records, util, summary
+
+
+def recorded_by_all(
+    records: pd.DataFrame, util: pd.DataFrame, variants: list[str]
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, int] | None, bool]:
+    """The records of `variants` cut to the requests (repeat, request id) every one of them
+    recorded, their GPU samples to the time all of them covered in each repeat; then the
+    requests each variant recorded before the cut (None if no request was cut) and
+    whether samples were cut. In a run stopped part-way a variant holds only the
+    workload's first requests: beside another's whole workload its figures would measure
+    how far the run got, not the variant."""
+    rows = records[records["variant"].isin(variants)]
+    recorded: dict[str, int] | None = None
+    if not rows.empty:
+        key = ["repeat", "request_id"]
+        every = rows.groupby(key, sort=False)["variant"].transform("nunique") == len(variants)
+        if not bool(every.all()):
+            counts = rows["variant"].value_counts()
+            recorded = {v: int(counts.get(v, 0)) for v in variants}
+            rows = rows[every.to_numpy()]
+    samples, samples_cut = util, False
+    if not util.empty and {"variant", "repeat", "time_s"} <= set(util.columns):
+        samples = util[util["variant"].isin(variants)]
+        ends = samples.groupby(["repeat", "variant"], sort=False)["time_s"].max().unstack()
+        # a variant without samples: none kept
+        every = ends.shape[1] == len(variants)
+        end_s = ends.min(axis=1) if every else ends.iloc[:, 0] * np.nan
+        limit = samples["repeat"].map(end_s).to_numpy(dtype=float)
+        inside = samples["time_s"].to_numpy(dtype=float) <= limit  # NaN limit: none kept
+        if not inside.all():
+            samples, samples_cut = samples[inside], True
+    return rows, samples, recorded, samples_cut
 
 
 def in_pool(records: pd.DataFrame, pool: str | None) -> pd.DataFrame:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from btb_lab.analysis.classes import assign_classes
 from btb_lab.analysis.metrics import summarize_variants
 from btb_lab.analysis.models import Exclusion, PrimarySpec, Summary, VariantSummary, Verdict
-from btb_lab.analysis.scopes import apply_exclusion
+from btb_lab.analysis.scopes import apply_exclusion, recorded_by_all
 from btb_lab.analysis.speculation import warm_spend
 from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import Hypothesis
@@ -194,6 +194,27 @@ def _check_kept(
         )
 
 
+def _recorded_by_all_with_records(
+    records: pd.DataFrame, util: pd.DataFrame, variants: list[str]
+) -> tuple[pd.DataFrame, pd.DataFrame, str | None]:
+    """An incomplete run's records and samples cut to what every variant with records
+    covered, and the sentence the report says it with (None if nothing was cut): its
+    tables then set the variants side by side on the same requests, as its verdict does."""
+    present = set(records["variant"].unique()) if len(records) else set()
+    names = [v for v in variants if v in present]
+    if len(names) < 2:
+        return records, util, None
+    records, util, recorded, samples_cut = recorded_by_all(records, util, names)
+    notes = []
+    if recorded is not None:
+        each = ", ".join(f"{v} {recorded[v]:,}" for v in names)
+        n = int((records["variant"] == names[0]).sum())
+        notes.append(f"the tables cover the {n:,} requests every variant recorded ({each})")
+    if samples_cut:
+        notes.append("GPU samples up to the time every variant covered")
+    return records, util, "; ".join(notes) or None
+
+
 def analyze_run(run_dir: Path) -> AnalyzedRun:
     """Everything the report needs, computed from the stored run."""
     return analyze_stored(read_stored_run(run_dir))
@@ -209,6 +230,9 @@ def analyze_stored(stored: StoredRun) -> AnalyzedRun:
         seed=hypothesis.seed, failed=manifest.failed_variants,
         incomplete=False if manifest.complete else incomplete_reason(manifest),
     )  # fmt: skip
+    tables_cover = None
+    if not manifest.complete:
+        records, util, tables_cover = _recorded_by_all_with_records(records, util, variants)
     variant_block = summarize_variants(
         records, util, variants, [rule.name for rule in hypothesis.classes]
     )
@@ -237,6 +261,7 @@ def analyze_stored(stored: StoredRun) -> AnalyzedRun:
         variants=variant_block,
         exclusion=exclusion,
         repeats=len({r.repeat for r in manifest.runs}) or None,
+        tables_cover=tables_cover,
     )
     return AnalyzedRun(
         run_dir, manifest, hypothesis, records, util, verdict, summary, all_records, events

@@ -61,7 +61,7 @@ from btb_lab.analysis.models import (
     Verdict,
     VerdictWord,
 )
-from btb_lab.analysis.scopes import in_pool, variant_rows
+from btb_lab.analysis.scopes import in_pool, recorded_by_all, variant_rows
 from btb_lab.config.hypothesis import Guard, VerdictRule
 from btb_lab.config.metrics import METRICS
 
@@ -467,36 +467,18 @@ def evaluate_verdict(
 def recorded_by_both(
     records: pd.DataFrame, util: pd.DataFrame, baseline: str, variant: str
 ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """The records of `baseline` and `variant` cut to the requests (repeat, request id)
-    both recorded, their GPU samples to the time both covered, and a sentence saying what
-    was cut ("" if nothing). In a run stopped part-way, a variant holds only the
-    workload's first requests; next to the baseline's whole workload its figures would
-    measure how far the run got, not the variant."""
-    two = records[records["variant"].isin([baseline, variant])]
+    """`recorded_by_all` for `baseline` and `variant`, and a sentence saying what was cut
+    ("" if nothing)."""
+    two, samples, recorded, samples_cut = recorded_by_all(records, util, [baseline, variant])
     notes: list[str] = []
-    if not two.empty:
-        key = ["repeat", "request_id"]
-        both = two.groupby(key, sort=False)["variant"].transform("nunique") == 2
-        if not bool(both.all()):
-            kept = two[both.to_numpy()]
-            counts = two["variant"].value_counts()
-            n_base, n_var = int(counts.get(baseline, 0)), int(counts.get(variant, 0))
-            notes.append(
-                f"`{variant}` is compared with `{baseline}` on the "
-                f"{int((kept['variant'] == variant).sum()):,} requests both recorded "
-                f"({variant} recorded {n_var:,}, {baseline} {n_base:,})"
-            )
-            two = kept
-    samples = util
-    if not util.empty and {"variant", "repeat", "time_s"} <= set(util.columns):
-        samples = util[util["variant"].isin([baseline, variant])]
-        ends = samples.groupby(["repeat", "variant"], sort=False)["time_s"].max().unstack()
-        end_s = ends.min(axis=1) if ends.shape[1] == 2 else ends.iloc[:, 0] * math.nan
-        limit = samples["repeat"].map(end_s).to_numpy(dtype=float)
-        inside = samples["time_s"].to_numpy(dtype=float) <= limit  # NaN limit: none kept
-        if not inside.all():
-            samples = samples[inside]
-            notes.append("GPU samples up to the time both covered")
+    if recorded is not None:
+        notes.append(
+            f"`{variant}` is compared with `{baseline}` on the "
+            f"{int((two['variant'] == variant).sum()):,} requests both recorded "
+            f"({variant} recorded {recorded[variant]:,}, {baseline} {recorded[baseline]:,})"
+        )
+    if samples_cut:
+        notes.append("GPU samples up to the time both covered")
     return two, samples, "; ".join(notes)
 
 

@@ -411,6 +411,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         ),
         "verdict": summary.verdict,
         "complete": summary.complete,
+        "tables_cover": summary.tables_cover,
         "runs_done": manifest.runs_ok,
         "runs_planned": manifest.runs_planned,
         "failures": [
