@@ -113,9 +113,8 @@ def recorded_by_all(
     if not util.empty and {"variant", "repeat", "time_s"} <= set(util.columns):
         samples = util[util["variant"].isin(variants)]
         ends = samples.groupby(["repeat", "variant"], sort=False)["time_s"].max().unstack()
-        # a variant without samples: none kept
-        every = ends.shape[1] == len(variants)
-        end_s = ends.min(axis=1) if every else ends.iloc[:, 0] * np.nan
+        all_sampled = ends.shape[1] == len(variants)  # else a variant has none: none kept
+        end_s: pd.Series = ends.min(axis=1) if all_sampled else ends.iloc[:, 0] * np.nan
         limit = samples["repeat"].map(end_s).to_numpy(dtype=float)
         inside = samples["time_s"].to_numpy(dtype=float) <= limit  # NaN limit: none kept
         if not inside.all():

@@ -32,6 +32,7 @@ __all__ = [
     "analyze_run",
     "analyze_stored",
     "classified",
+    "comparable",
     "incomplete_reason",
     "measured_frames",
     "read_stored_run",
@@ -194,14 +195,15 @@ def _check_kept(
         )
 
 
-def _recorded_by_all_with_records(
-    records: pd.DataFrame, util: pd.DataFrame, variants: list[str]
-) -> tuple[pd.DataFrame, pd.DataFrame, str | None]:
-    """An incomplete run's records and samples cut to what every variant with records
-    covered, and the sentence the report says it with (None if nothing was cut): its
-    tables then set the variants side by side on the same requests, as its verdict does."""
+def comparable(stored: StoredRun) -> tuple[pd.DataFrame, pd.DataFrame, str | None]:
+    """The records and GPU samples the report's tables and plots set side by side, and
+    the sentence saying what was cut (None: nothing). An incomplete run's are cut to what
+    every variant with records covered (`recorded_by_all`), as its verdict compares them."""
+    records, util = stored.records, stored.utilization
+    if stored.manifest.complete:
+        return records, util, None
     present = set(records["variant"].unique()) if len(records) else set()
-    names = [v for v in variants if v in present]
+    names = [v for v in stored.variants if v in present]
     if len(names) < 2:
         return records, util, None
     records, util, recorded, samples_cut = recorded_by_all(records, util, names)
@@ -209,7 +211,9 @@ def _recorded_by_all_with_records(
     if recorded is not None:
         each = ", ".join(f"{v} {recorded[v]:,}" for v in names)
         n = int((records["variant"] == names[0]).sum())
-        notes.append(f"the tables cover the {n:,} requests every variant recorded ({each})")
+        notes.append(
+            f"the tables and latency plots cover the {n:,} requests every variant recorded ({each})"
+        )
     if samples_cut:
         notes.append("GPU samples up to the time every variant covered")
     return records, util, "; ".join(notes) or None
@@ -230,9 +234,7 @@ def analyze_stored(stored: StoredRun) -> AnalyzedRun:
         seed=hypothesis.seed, failed=manifest.failed_variants,
         incomplete=False if manifest.complete else incomplete_reason(manifest),
     )  # fmt: skip
-    tables_cover = None
-    if not manifest.complete:
-        records, util, tables_cover = _recorded_by_all_with_records(records, util, variants)
+    records, util, tables_cover = comparable(stored)
     variant_block = summarize_variants(
         records, util, variants, [rule.name for rule in hypothesis.classes]
     )

@@ -17,7 +17,13 @@ import pandas as pd
 
 from btb_lab.analysis.models import Comparison, RequestMetrics, Summary
 from btb_lab.analysis.scopes import measured_window, rows_where
-from btb_lab.analysis.summary import AnalyzedRun, StoredRun, analyze_stored, read_stored_run
+from btb_lab.analysis.summary import (
+    AnalyzedRun,
+    StoredRun,
+    analyze_stored,
+    comparable,
+    read_stored_run,
+)
 from btb_lab.config.metrics import METRICS
 from btb_lab.report import describe, forked
 from btb_lab.report.plots import write_plots
@@ -491,8 +497,9 @@ def _excluded_spans(run: StoredRun | AnalyzedRun) -> list[tuple[float, float]]:
 
 def _plots(stored: StoredRun, timeline: pd.DataFrame) -> functools.partial[list[tuple[str, str]]]:
     """`write_plots` for a stored run, ready to call (here, or pickled to a child)."""
+    records, util, _ = comparable(stored)  # an incomplete run's: what every variant covered
     return functools.partial(
-        write_plots, stored.run_dir / "plots", stored.records, stored.utilization,
+        write_plots, stored.run_dir / "plots", records, util,
         list(stored.variants), [r.name for r in stored.hypothesis.classes],
         all_records=stored.all_records, events=timeline, excluded=_excluded_spans(stored),
     )  # fmt: skip
