@@ -76,6 +76,10 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
         raise UserError(f"{path}: trace file not found")
     if path.is_dir():
         raise UserError(f"{path}: is a directory, not a trace file")
+    if not path.is_file():
+        raise UserError(
+            f"{path}: not a regular file (a pipe or a device); write the trace to a file first"
+        )
     if path.suffix == ".parquet":
         yield from enumerate(_parquet_rows(path), start=1)
         return

@@ -110,6 +110,11 @@ def validate_workload_spec(spec: WorkloadSpec, base_dir: Path) -> None:
         path = trace_path(spec, base_dir)
         if path.is_dir():
             problems.append(f"workload.trace.path: {path}: is a directory, not a trace file")
+        elif path.exists() and not path.is_file():  # a pipe or a device: read more than once
+            problems.append(
+                f"workload.trace.path: {path}: not a regular file (a pipe or a device); "
+                "write the trace to a file first"
+            )
         elif not path.is_file():
             problems.append(f"workload.trace.path: trace file not found: {path}")
     if spec.generator is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import os
 import socket
 from pathlib import Path
 
@@ -60,6 +61,21 @@ def test_trace_inspect_and_run_name_an_unreadable_trace(
     result = cli("run", hyp, "--no-progress", "--out", tmp_path / "out")
     one_line_exit_2(result, str(path), expected)
     assert not (tmp_path / "out").exists()  # refused before the run directory existed
+
+
+def test_a_pipe_as_the_trace_is_refused_before_the_run(tmp_path: Path) -> None:
+    """A run reads its trace more than once (its checksum beside the parse): a pipe would
+    be empty the second time, so it is named as such, not as a missing file."""
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    hyp = trace_hypothesis(tmp_path, "pipe.jsonl")
+    result = cli("run", hyp, "--no-progress", "--out", tmp_path / "out")
+    one_line_exit_2(result, str(fifo), "not a regular file (a pipe or a device)")
+    assert "not found" not in result.output
+    assert not (tmp_path / "out").exists()
+    for fmt in ("mooncake", "auto"):  # refused before it is opened (which would wait)
+        inspected = cli("trace", "inspect", fifo, "--format", fmt)
+        one_line_exit_2(inspected, str(fifo), "not a regular file (a pipe or a device)")
 
 
 def test_a_trace_that_cannot_be_opened_is_one_line(tmp_path: Path, monkeypatch) -> None:
