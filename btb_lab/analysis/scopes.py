@@ -94,12 +94,16 @@ def apply_exclusion(
 def recorded_by_all(
     records: pd.DataFrame, util: pd.DataFrame, variants: list[str]
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, int] | None, bool]:
-    """The records of `variants` cut to the requests (repeat, request id) every one of them
-    recorded, their GPU samples to the time all of them covered in each repeat; then the
-    requests each variant recorded before the cut (None if no request was cut) and
-    whether samples were cut. In a run stopped part-way a variant holds only the
-    workload's first requests: beside another's whole workload its figures would measure
-    how far the run got, not the variant."""
+    """The records of `variants` cut, in each repeat, to the requests that arrived before
+    the first one some variant did not record (every variant recorded all of those), their
+    GPU samples to the time all of them covered; then the requests each variant recorded
+    before the cut (None if no request was cut) and whether samples were cut.
+
+    In a run stopped part-way a variant holds only the workload's first requests: beside
+    another's whole workload its figures would measure how far the run got, not the
+    variant. Nor are the requests it happened to record enough: a record is written when
+    its request ends, so those still waiting when the run stopped, its slowest, would be
+    missing from the comparison. Which requests are compared follows arrival only."""
     rows = records[records["variant"].isin(variants)]
     recorded: dict[str, int] | None = None
     if not rows.empty:
@@ -108,7 +112,11 @@ def recorded_by_all(
         if not bool(every.all()):
             counts = rows["variant"].value_counts()
             recorded = {v: int(counts.get(v, 0)) for v in variants}
-            rows = rows[every.to_numpy()]
+            lacking = rows.loc[~every.to_numpy(), ["repeat", "arrival_s"]]
+            first_lacking = lacking.groupby("repeat")["arrival_s"].min()
+            limit = rows["repeat"].map(first_lacking).to_numpy(dtype=float)
+            before = ~(rows["arrival_s"].to_numpy(dtype=float) >= limit)  # NaN: none lacking
+            rows = rows[every.to_numpy() & before]
     samples, samples_cut = util, False
     if not util.empty and {"variant", "repeat", "time_s"} <= set(util.columns):
         samples = util[util["variant"].isin(variants)]

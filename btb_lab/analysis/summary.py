@@ -212,7 +212,8 @@ def comparable(stored: StoredRun) -> tuple[pd.DataFrame, pd.DataFrame, str | Non
         each = ", ".join(f"{v} {recorded[v]:,}" for v in names)
         n = int((records["variant"] == names[0]).sum())
         notes.append(
-            f"the tables and latency plots cover the {n:,} requests every variant recorded ({each})"
+            f"the tables and latency plots cover the {n:,} requests that arrived before the "
+            f"first one a variant lacks ({each} recorded)"
         )
     if samples_cut:
         notes.append("GPU samples up to the time every variant covered")

@@ -474,8 +474,9 @@ def recorded_by_both(
     if recorded is not None:
         notes.append(
             f"`{variant}` is compared with `{baseline}` on the "
-            f"{int((two['variant'] == variant).sum()):,} requests both recorded "
-            f"({variant} recorded {recorded[variant]:,}, {baseline} {recorded[baseline]:,})"
+            f"{int((two['variant'] == variant).sum()):,} requests that arrived before the "
+            f"first one either lacks ({variant} recorded {recorded[variant]:,}, "
+            f"{baseline} {recorded[baseline]:,})"
         )
     if samples_cut:
         notes.append("GPU samples up to the time both covered")

@@ -28,7 +28,8 @@ def records(
         for i in range(n):
             ok = i >= fail
             rows.append({
-                "variant": variant, "repeat": rep, "request_id": f"r{i}", "sent_s": 0.0,
+                "variant": variant, "repeat": rep, "request_id": f"r{i}",
+                "arrival_s": 0.1 * i, "sent_s": 0.0,
                 "first_token_s": ttft[i] if ok else None,
                 "finish_s": ttft[i] + 1.0 if ok else None,
                 "output_tokens": 11, "input_tokens": 1000, "cached_tokens": 0, "ok": ok,
@@ -323,11 +324,37 @@ def test_an_interrupted_variant_is_compared_on_the_requests_both_recorded() -> N
     primary = v.variants["new"].primary
     assert primary.change == 0.0  # the same latencies on the same 80 requests
     assert primary.ok_baseline == primary.ok_variant == 80
-    assert "on the 80 requests both recorded (new recorded 80, base 200)" in v.reason
+    assert (
+        "on the 80 requests that arrived before the first one either lacks "
+        "(new recorded 80, base 200)" in v.reason
+    )
     # a complete run's comparison is not cut (a failed request is recorded, not missing)
     whole = judge(base + records("new", 1.0, n=200, seed=1))
-    assert "both recorded" not in whole.reason
+    assert "first one either lacks" not in whole.reason
     assert whole.variants["new"].primary.ok_baseline == 200
+
+
+def test_an_interrupted_variant_is_compared_on_requests_chosen_by_arrival_only() -> None:
+    """A record is written when its request ends: a variant stopped while its slowest
+    requests still waited holds the fast ones that arrived after them. Compared on the
+    requests it recorded, it would look faster than it is; the comparison stops at the
+    first arrival it lacks."""
+    base = records("base", 1.0, n=200, seed=1)  # request i arrives at 0.1 i s
+    new = records("new", 1.0, n=200, seed=1)
+    slow = set(range(50, 80, 3))  # still waiting when the run stopped: no records
+    for i in slow:
+        base[i]["first_token_s"] += 20.0
+        base[i]["finish_s"] += 20.0
+    kept = [new[i] for i in range(80) if i not in slow]
+    frame = derive_timings(pd.DataFrame(base + kept))
+    v = evaluate_verdict(
+        frame, EMPTY_UTIL, VerdictRule(metric="ttft_p90", min_effect=0.05), baseline="base",
+        variants=["base", "new"], seed=1, incomplete=True,
+    )  # fmt: skip
+    primary = v.variants["new"].primary
+    assert primary.ok_baseline == primary.ok_variant == 50  # the arrivals before the first gap
+    assert primary.change == 0.0  # neither side's slow requests are left in
+    assert f"(new recorded {len(kept)}, base 200)" in v.reason
 
 
 def test_an_interrupted_variant_is_compared_on_the_gpu_time_both_covered() -> None:
