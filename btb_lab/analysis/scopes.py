@@ -18,9 +18,9 @@ from btb_lab.config.hypothesis import Exclude
 
 __all__ = [
     "apply_exclusion",
+    "common_arrivals",
     "in_pool",
     "measured_window",
-    "recorded_by_all",
     "rows_where",
     "variant_rows",
 ]
@@ -91,7 +91,7 @@ def apply_exclusion(
     return kept_records, util, summary
 
 
-def recorded_by_all(
+def common_arrivals(
     records: pd.DataFrame, util: pd.DataFrame, variants: list[str]
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, int] | None, bool]:
     """The records of `variants` cut, in each repeat, to the requests that arrived before

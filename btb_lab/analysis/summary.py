@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from btb_lab.analysis.classes import assign_classes
 from btb_lab.analysis.metrics import summarize_variants
 from btb_lab.analysis.models import Exclusion, PrimarySpec, Summary, VariantSummary, Verdict
-from btb_lab.analysis.scopes import apply_exclusion, recorded_by_all
+from btb_lab.analysis.scopes import apply_exclusion, common_arrivals
 from btb_lab.analysis.speculation import warm_spend
 from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import Hypothesis
@@ -197,8 +197,9 @@ def _check_kept(
 
 def comparable(stored: StoredRun) -> tuple[pd.DataFrame, pd.DataFrame, str | None]:
     """The records and GPU samples the report's tables and plots set side by side, and
-    the sentence saying what was cut (None: nothing). An incomplete run's are cut to what
-    every variant with records covered (`recorded_by_all`), as its verdict compares them."""
+    the sentence saying what was cut (None: nothing). An incomplete run's are cut to the
+    arrivals every variant with records covered (`common_arrivals`), as its verdict
+    compares them."""
     records, util = stored.records, stored.utilization
     if stored.manifest.complete:
         return records, util, None
@@ -206,7 +207,7 @@ def comparable(stored: StoredRun) -> tuple[pd.DataFrame, pd.DataFrame, str | Non
     names = [v for v in stored.variants if v in present]
     if len(names) < 2:
         return records, util, None
-    records, util, recorded, samples_cut = recorded_by_all(records, util, names)
+    records, util, recorded, samples_cut = common_arrivals(records, util, names)
     notes = []
     if recorded is not None:
         each = ", ".join(f"{v} {recorded[v]:,}" for v in names)

@@ -61,7 +61,7 @@ from btb_lab.analysis.models import (
     Verdict,
     VerdictWord,
 )
-from btb_lab.analysis.scopes import in_pool, recorded_by_all, variant_rows
+from btb_lab.analysis.scopes import common_arrivals, in_pool, variant_rows
 from btb_lab.config.hypothesis import Guard, VerdictRule
 from btb_lab.config.metrics import METRICS
 
@@ -464,12 +464,12 @@ def evaluate_verdict(
     return verdict
 
 
-def recorded_by_both(
+def common_arrivals_of_pair(
     records: pd.DataFrame, util: pd.DataFrame, baseline: str, variant: str
 ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """`recorded_by_all` for `baseline` and `variant`, and a sentence saying what was cut
+    """`common_arrivals` for `baseline` and `variant`, and a sentence saying what was cut
     ("" if nothing)."""
-    two, samples, recorded, samples_cut = recorded_by_all(records, util, [baseline, variant])
+    two, samples, recorded, samples_cut = common_arrivals(records, util, [baseline, variant])
     notes: list[str] = []
     if recorded is not None:
         notes.append(
@@ -552,7 +552,7 @@ def _evaluate(
             continue
         pairs[v] = (records, util)
         if incomplete:
-            cut_records, cut_util, dropped = recorded_by_both(records, util, baseline, v)
+            cut_records, cut_util, dropped = common_arrivals_of_pair(records, util, baseline, v)
             pairs[v] = (cut_records, cut_util)
             if dropped:
                 cut.append(dropped)
