@@ -365,7 +365,24 @@ typedef struct {
     size_t n_lines, cap_lines;
     Recent recent[RECENT];
     size_t n_recent, next_recent;
+    int strip;        /* 1: also copy each line with its array written as `null` */
+    char *text;
+    size_t text_len, text_cap;
 } Scanned;
+
+static int push_text(Scanned *o, const char *p, size_t n) {
+    if (o->text_len + n > o->text_cap) {
+        size_t cap = o->text_cap ? o->text_cap : 1 << 16;
+        while (cap < o->text_len + n) cap *= 2;
+        char *text = realloc(o->text, cap);
+        if (text == NULL) return -1;
+        o->text = text;
+        o->text_cap = cap;
+    }
+    memcpy(o->text + o->text_len, p, n);
+    o->text_len += n;
+    return 0;
+}
 
 static int push_id(Scanned *o, uint32_t id, size_t end) {
     if (end > UINT32_MAX) return -1;
@@ -558,8 +575,10 @@ static int scan_array(IdScanner *s, const char *p, const char *end, Scanned *o, 
     }
 }
 
-/* One line: a JSON object holding exactly one top-level `hash_ids`. */
-static int scan_line(IdScanner *s, const char *p, const char *end, Scanned *o) {
+/* One line: a JSON object holding exactly one top-level `hash_ids` (its array from
+ * *array to *array_end). */
+static int scan_line(IdScanner *s, const char *p, const char *end, Scanned *o,
+                     const char **array, const char **array_end) {
     size_t count = 0;
     int found = 0;
     p = skip_spaces(p, end);
@@ -581,8 +600,10 @@ static int scan_line(IdScanner *s, const char *p, const char *end, Scanned *o) {
         if (key_length == 8 && memcmp(key, "hash_ids", 8) == 0) {
             if (found) return SCAN_OTHER;
             found = 1;
+            *array = p;
             int status = scan_array(s, p, end, o, &count, &p);
             if (status != SCAN_OK) return status;
+            *array_end = p;
         } else if ((p = skip_value(p, end)) == NULL) {
             return SCAN_OTHER;
         }
@@ -601,8 +622,13 @@ static int scan_chunk(IdScanner *s, const char *data, size_t size, Scanned *o) {
     while (p < end) {
         const char *line_end = memchr(p, '\n', (size_t)(end - p));
         if (line_end == NULL) line_end = end;
-        int status = scan_line(s, p, line_end, o);
+        const char *array = NULL, *array_end = NULL;
+        int status = scan_line(s, p, line_end, o, &array, &array_end);
         if (status != SCAN_OK) return status;
+        if (o->strip && (push_text(o, p, (size_t)(array - p)) < 0 || push_text(o, "null", 4) < 0 ||
+                         push_text(o, array_end, (size_t)(line_end - array_end)) < 0 ||
+                         (line_end < end && push_text(o, "\n", 1) < 0)))
+            return SCAN_NOMEM;
         p = line_end + 1;
     }
     return SCAN_OK;
@@ -632,7 +658,7 @@ static int scanner_convert(IdScanner *s) {
     return 0;
 }
 
-static PyObject *scanner_scan(IdScanner *s, PyObject *arg) {
+static PyObject *scan_any(IdScanner *s, PyObject *arg, int strip) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     if (s->busy) {
@@ -642,6 +668,7 @@ static PyObject *scanner_scan(IdScanner *s, PyObject *arg) {
     }
     s->busy = 1;
     Scanned o = {0};
+    o.strip = strip;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = scan_chunk(s, (const char *)view.buf, (size_t)view.len, &o);
@@ -674,12 +701,27 @@ static PyObject *scanner_scan(IdScanner *s, PyObject *arg) {
         PyObject_GC_UnTrack(row); /* ints only: as the collector itself would untrack it */
         PyList_SET_ITEM(out, (Py_ssize_t)r, row);
     }
+    if (strip) {
+        PyObject *text = PyBytes_FromStringAndSize(o.text ? o.text : "", (Py_ssize_t)o.text_len);
+        PyObject *pair = text == NULL ? NULL : PyTuple_Pack(2, out, text);
+        Py_XDECREF(text);
+        Py_SETREF(out, pair);
+    }
 done:
     free(o.ids);
     free(o.ends);
     free(o.counts);
+    free(o.text);
     PyBuffer_Release(&view);
     return out;
+}
+
+static PyObject *scanner_scan(IdScanner *s, PyObject *arg) {
+    return scan_any(s, arg, 0);
+}
+
+static PyObject *scanner_scan_stripped(IdScanner *s, PyObject *arg) {
+    return scan_any(s, arg, 1);
 }
 
 static int scanner_init(IdScanner *s, PyObject *args, PyObject *kwargs) {
@@ -715,6 +757,10 @@ static PyMethodDef scanner_methods[] = {
     {"scan", (PyCFunction)scanner_scan, METH_O,
      "scan(chunk) -> list[tuple] | None: each line's hash_ids as a tuple of ids; None "
      "when a line needs the JSON parser."},
+    {"scan_stripped", (PyCFunction)scanner_scan_stripped, METH_O,
+     "scan_stripped(chunk) -> (list[tuple], bytes) | None: scan's ids, and the chunk with "
+     "every hash_ids array written as null (for a JSON parser that needs not tokenize "
+     "them); None when a line needs the JSON parser."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -157,36 +157,55 @@ def _json_chunks(
     path: Path, schema: pa.Schema, interned: dict[int, int]
 ) -> Iterator[tuple[list[tuple[pa.RecordBatch, Rows | None]], bool]]:
     """Each chunk's record batches with their rows' ids where the scanner read them (the
-    work a thread does ahead of the caller). The scanner reads a chunk's ids on a thread
-    of its own while pyarrow parses the rest of it: both let go of the interpreter."""
+    work a thread does ahead of the caller). The scanner reads a chunk's ids and hands
+    pyarrow the chunk with each id array written as `null`: the arrays are most of a
+    long-prefix trace's bytes, which pyarrow would otherwise tokenize only to drop them.
+    Both let go of the interpreter. The scanner takes only arrays that are valid JSON of
+    the schema's id type; pyarrow checks the rest of every line."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow.json as pj
 
     read_options = pj.ReadOptions(block_size=max(1 << 20, CHUNK_BYTES // 2), use_threads=True)
+    one_thread = pj.ReadOptions(block_size=CHUNK_BYTES, use_threads=False)
     full = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     scanner = _scanner(schema, interned)
-    # with a scanner pyarrow parses everything but the ids (it still checks each line)
-    parse = full if scanner is None else pj.ParseOptions(
+    # with a scanner pyarrow parses everything but the ids (written as null)
+    parse = pj.ParseOptions(
         explicit_schema=schema.remove(schema.get_field_index("hash_ids")),
         unexpected_field_behavior="ignore",
-    )  # fmt: skip
+    )
     with ThreadPoolExecutor(1, thread_name_prefix="btb-lab-scan") as scans:
-        for index, chunk in enumerate(_line_chunks(path)):
-            if index == 0 and chunk.startswith(_BOM):
-                raise Fallback("byte-order mark")
-            newlines = chunk.count(b"\n")
-            if int(np.count_nonzero(np.frombuffer(chunk, np.uint8) < 0x20)) != newlines:
-                raise Fallback("control bytes other than newlines")
-            rows = newlines + (not chunk.endswith(b"\n"))
-            scanning = scans.submit(scanner.scan, chunk) if scanner is not None else None
-            table = _parse_json(chunk, read_options, parse, rows)
-            ids = scanning.result() if scanning is not None else None
-            if scanning is not None and (ids is None or len(ids) != rows):  # the parser decides
-                table = _parse_json(chunk, read_options, full, rows)
+        chunks = _checked_chunks(path)
+        after = next(chunks, None)
+        # the next chunk is scanned on a thread while pyarrow parses this one
+        scanning = scans.submit(scanner.scan_stripped, after[0]) if scanner and after else None
+        while after is not None:
+            chunk, rows = after
+            after = next(chunks, None)
+            scanned = scanning.result() if scanning is not None else None
+            if scanner is not None and after is not None:
+                scanning = scans.submit(scanner.scan_stripped, after[0])
+            if scanned is not None and len(scanned[0]) == rows:
+                ids, stripped = scanned  # a few times smaller: faster on one thread
+                table = _parse_json(stripped, one_thread, parse, rows)
+            else:  # no scanner, or a line it does not read: the parser decides
                 ids = None
+                table = _parse_json(chunk, read_options, full, rows)
             null_turn = _turnless_metadata(table) and _NULL_TURN.search(chunk) is not None
             yield _split(table.to_batches(), ids), null_turn
+
+
+def _checked_chunks(path: Path) -> Iterator[tuple[bytes, int]]:
+    """Chunks of whole lines with their row counts; a byte-order mark or a control byte
+    other than the newline sends the file to the row loader."""
+    for index, chunk in enumerate(_line_chunks(path)):
+        if index == 0 and chunk.startswith(_BOM):
+            raise Fallback("byte-order mark")
+        newlines = chunk.count(b"\n")
+        if int(np.count_nonzero(np.frombuffer(chunk, np.uint8) < 0x20)) != newlines:
+            raise Fallback("control bytes other than newlines")
+        yield chunk, newlines + (not chunk.endswith(b"\n"))
 
 
 def _parse_json(chunk: bytes, read: Any, parse: Any, rows: int) -> pa.Table:

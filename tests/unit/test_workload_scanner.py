@@ -122,6 +122,50 @@ def _outcome(path: Path, fmt: str) -> Any:
         return ("error", str(exc))
 
 
+@pytest.mark.parametrize("strings", [True, False])
+def test_a_stripped_chunk_is_the_chunk_with_each_array_written_as_null(strings: bool) -> None:
+    """What pyarrow parses beside the scanner: every other byte of every line as it was
+    (the values it checks and reads), the ids `scan` reads, and the same refusals."""
+    ids = ['"a"', '"b c"', '"0"'] if strings else ["7", "-0", "9000000000000000000"]
+    lines = [  # (the line around its array, the array)
+        ('{"input_length": 12, "hash_ids": %s, "x": {"y": [1, "]"]}}', f"[{', '.join(ids)}]"),
+        ('{"hash_ids":%s ,"z": "hash_ids"}', "[]"),
+        ('  {"a": null,  "hash_ids" :  %s  }', f"[ {ids[0]} ]"),
+    ]
+    for ending in ("\n", ""):  # the chunk's last line with or without its newline
+        chunk = ("\n".join(line % array for line, array in lines) + ending).encode()
+        scanner = _hashc.IdScanner({}, strings=strings)
+        rows, text = scanner.scan_stripped(chunk)
+        assert rows == _hashc.IdScanner({}, strings=strings).scan(chunk)
+        assert text == ("\n".join(line % "null" for line, _ in lines) + ending).encode()
+    refused = b'{"hash_ids": [1.5]}\n' if not strings else b'{"hash_ids": ["\\u00e9"]}\n'
+    both = chunk.rstrip(b"\n") + b"\n" + refused
+    assert _hashc.IdScanner({}, strings=strings).scan(both) is None
+    assert _hashc.IdScanner({}, strings=strings).scan_stripped(both) is None
+    assert _hashc.IdScanner({}, strings=strings).scan_stripped(b"") == ([], b"")
+
+
+def test_a_bad_value_beside_a_read_array_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scanner skips a line's other values without checking them; in the stripped
+    chunk pyarrow still parses them, so a line that is not JSON outside its array is the
+    row loader's error, with its line number, as without the scanner."""
+    monkeypatch.setattr(columnar, "CHUNK_BYTES", 4096)
+    lines = [
+        json.dumps({"timestamp": n, "input_length": 1024, "output_length": 2, "hash_ids": [n, 7]})
+        for n in range(300)
+    ]
+    lines[150] = lines[150].replace('"output_length": 2', '"output_length": 2x')
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with_scanner = _outcome(path, "mooncake")
+    assert with_scanner[0] == "error"
+    assert ":151:" in with_scanner[1]
+    monkeypatch.setattr(columnar, "_IdScanner", None)
+    assert _outcome(path, "mooncake") == with_scanner
+
+
 def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
@@ -163,10 +207,10 @@ def test_loads_alike_with_and_without_the_scanner(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._scanner = real(*args, **kwargs)
 
-        def scan(self, chunk: bytes) -> Any:
-            rows = self._scanner.scan(chunk)
-            scans.append(rows is not None)
-            return rows
+        def scan_stripped(self, chunk: bytes) -> Any:
+            scanned = self._scanner.scan_stripped(chunk)
+            scans.append(scanned is not None)
+            return scanned
 
     monkeypatch.setattr(columnar, "_IdScanner", Spy)
     with_scanner = _outcome(path, fmt)
