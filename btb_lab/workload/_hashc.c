@@ -365,8 +365,7 @@ typedef struct {
     size_t n_lines, cap_lines;
     Recent recent[RECENT];
     size_t n_recent, next_recent;
-    int strip;        /* 1: also copy each line with its array written as `null` */
-    char *text;
+    char *text;       /* each line again, its array written as `null` */
     size_t text_len, text_cap;
 } Scanned;
 
@@ -625,9 +624,9 @@ static int scan_chunk(IdScanner *s, const char *data, size_t size, Scanned *o) {
         const char *array = NULL, *array_end = NULL;
         int status = scan_line(s, p, line_end, o, &array, &array_end);
         if (status != SCAN_OK) return status;
-        if (o->strip && (push_text(o, p, (size_t)(array - p)) < 0 || push_text(o, "null", 4) < 0 ||
-                         push_text(o, array_end, (size_t)(line_end - array_end)) < 0 ||
-                         (line_end < end && push_text(o, "\n", 1) < 0)))
+        if (push_text(o, p, (size_t)(array - p)) < 0 || push_text(o, "null", 4) < 0 ||
+            push_text(o, array_end, (size_t)(line_end - array_end)) < 0 ||
+            (line_end < end && push_text(o, "\n", 1) < 0))
             return SCAN_NOMEM;
         p = line_end + 1;
     }
@@ -658,7 +657,7 @@ static int scanner_convert(IdScanner *s) {
     return 0;
 }
 
-static PyObject *scan_any(IdScanner *s, PyObject *arg, int strip) {
+static PyObject *scanner_scan(IdScanner *s, PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     if (s->busy) {
@@ -668,7 +667,6 @@ static PyObject *scan_any(IdScanner *s, PyObject *arg, int strip) {
     }
     s->busy = 1;
     Scanned o = {0};
-    o.strip = strip;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = scan_chunk(s, (const char *)view.buf, (size_t)view.len, &o);
@@ -701,12 +699,10 @@ static PyObject *scan_any(IdScanner *s, PyObject *arg, int strip) {
         PyObject_GC_UnTrack(row); /* ints only: as the collector itself would untrack it */
         PyList_SET_ITEM(out, (Py_ssize_t)r, row);
     }
-    if (strip) {
-        PyObject *text = PyBytes_FromStringAndSize(o.text ? o.text : "", (Py_ssize_t)o.text_len);
-        PyObject *pair = text == NULL ? NULL : PyTuple_Pack(2, out, text);
-        Py_XDECREF(text);
-        Py_SETREF(out, pair);
-    }
+    PyObject *text = PyBytes_FromStringAndSize(o.text ? o.text : "", (Py_ssize_t)o.text_len);
+    PyObject *pair = text == NULL ? NULL : PyTuple_Pack(2, out, text);
+    Py_XDECREF(text);
+    Py_SETREF(out, pair);
 done:
     free(o.ids);
     free(o.ends);
@@ -714,14 +710,6 @@ done:
     free(o.text);
     PyBuffer_Release(&view);
     return out;
-}
-
-static PyObject *scanner_scan(IdScanner *s, PyObject *arg) {
-    return scan_any(s, arg, 0);
-}
-
-static PyObject *scanner_scan_stripped(IdScanner *s, PyObject *arg) {
-    return scan_any(s, arg, 1);
 }
 
 static int scanner_init(IdScanner *s, PyObject *args, PyObject *kwargs) {
@@ -755,12 +743,9 @@ static PyObject *scanner_distinct(IdScanner *s, void *closure) {
 
 static PyMethodDef scanner_methods[] = {
     {"scan", (PyCFunction)scanner_scan, METH_O,
-     "scan(chunk) -> list[tuple] | None: each line's hash_ids as a tuple of ids; None "
-     "when a line needs the JSON parser."},
-    {"scan_stripped", (PyCFunction)scanner_scan_stripped, METH_O,
-     "scan_stripped(chunk) -> (list[tuple], bytes) | None: scan's ids, and the chunk with "
-     "every hash_ids array written as null (for a JSON parser that needs not tokenize "
-     "them); None when a line needs the JSON parser."},
+     "scan(chunk) -> (list[tuple], bytes) | None: each line's hash_ids as a tuple of ids, "
+     "and the chunk with every hash_ids array written as null (what a JSON parser then "
+     "reads without tokenizing the ids); None when a line needs the JSON parser."},
     {NULL, NULL, 0, NULL},
 };
 

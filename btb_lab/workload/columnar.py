@@ -179,13 +179,15 @@ def _json_chunks(
         chunks = _checked_chunks(path)
         after = next(chunks, None)
         # the next chunk is scanned on a thread while pyarrow parses this one
-        scanning = scans.submit(scanner.scan_stripped, after[0]) if scanner and after else None
+        scanning = (
+            None if scanner is None or after is None else scans.submit(scanner.scan, after[0])
+        )
         while after is not None:
             chunk, rows = after
             after = next(chunks, None)
             scanned = scanning.result() if scanning is not None else None
             if scanner is not None and after is not None:
-                scanning = scans.submit(scanner.scan_stripped, after[0])
+                scanning = scans.submit(scanner.scan, after[0])
             if scanned is not None and len(scanned[0]) == rows:
                 ids, stripped = scanned  # a few times smaller: faster on one thread
                 table = _parse_json(stripped, one_thread, parse, rows)

@@ -23,7 +23,8 @@ def expected(chunk: bytes) -> list[tuple[int, ...]]:
 
 
 def scan(chunk: bytes, strings: bool, interned: dict[int, int] | None = None) -> Any:
-    return _hashc.IdScanner({} if interned is None else interned, strings=strings).scan(chunk)
+    scanned = _hashc.IdScanner({} if interned is None else interned, strings=strings).scan(chunk)
+    return None if scanned is None else scanned[0]
 
 
 def test_string_and_integer_ids_read_as_json_loads_and_block_id_read_them() -> None:
@@ -76,8 +77,8 @@ def test_one_object_per_id_value_shared_with_the_files_other_path() -> None:
     known = 10**12 + 7
     interned = {known: known}  # what pyarrow's path kept for an earlier chunk
     scanner = _hashc.IdScanner(interned, strings=False)
-    first = scanner.scan(b'{"hash_ids": [1000000000007, 5, -0]}\n')
-    second = scanner.scan(b'{"hash_ids": [0, 5, 1000000000007]}\n')
+    first = scanner.scan(b'{"hash_ids": [1000000000007, 5, -0]}\n')[0]
+    second = scanner.scan(b'{"hash_ids": [0, 5, 1000000000007]}\n')[0]
     assert first[0][0] is known
     assert second[0][2] is known
     assert first[0][1] is second[0][1]
@@ -88,7 +89,7 @@ def test_one_object_per_id_value_shared_with_the_files_other_path() -> None:
 def test_refused_chunks_keep_what_they_read() -> None:
     scanner = _hashc.IdScanner({}, strings=True)
     assert scanner.scan(b'{"hash_ids": ["a", "b"]}\n{"hash_ids": ["\\n"]}\n') is None
-    rows = scanner.scan(b'{"hash_ids": ["b", "a"]}\n')
+    rows = scanner.scan(b'{"hash_ids": ["b", "a"]}\n')[0]
     assert rows == expected(b'{"hash_ids": ["b", "a"]}')
 
 
@@ -134,15 +135,13 @@ def test_a_stripped_chunk_is_the_chunk_with_each_array_written_as_null(strings: 
     ]
     for ending in ("\n", ""):  # the chunk's last line with or without its newline
         chunk = ("\n".join(line % array for line, array in lines) + ending).encode()
-        scanner = _hashc.IdScanner({}, strings=strings)
-        rows, text = scanner.scan_stripped(chunk)
-        assert rows == _hashc.IdScanner({}, strings=strings).scan(chunk)
+        rows, text = _hashc.IdScanner({}, strings=strings).scan(chunk)
+        assert rows == expected(chunk)
         assert text == ("\n".join(line % "null" for line, _ in lines) + ending).encode()
     refused = b'{"hash_ids": [1.5]}\n' if not strings else b'{"hash_ids": ["\\u00e9"]}\n'
     both = chunk.rstrip(b"\n") + b"\n" + refused
     assert _hashc.IdScanner({}, strings=strings).scan(both) is None
-    assert _hashc.IdScanner({}, strings=strings).scan_stripped(both) is None
-    assert _hashc.IdScanner({}, strings=strings).scan_stripped(b"") == ([], b"")
+    assert _hashc.IdScanner({}, strings=strings).scan(b"") == ([], b"")
 
 
 def test_a_bad_value_beside_a_read_array_is_still_refused(
@@ -207,8 +206,8 @@ def test_loads_alike_with_and_without_the_scanner(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._scanner = real(*args, **kwargs)
 
-        def scan_stripped(self, chunk: bytes) -> Any:
-            scanned = self._scanner.scan_stripped(chunk)
+        def scan(self, chunk: bytes) -> Any:
+            scanned = self._scanner.scan(chunk)
             scans.append(scanned is not None)
             return scanned
 
