@@ -292,6 +292,21 @@ static uint64_t token_hash(const char *p, size_t n) {
     return h ^ (h >> 29);
 }
 
+/* `n` bytes appended to a growing buffer (doubling from 64 KiB); -1 when out of memory. */
+static int append_bytes(char **buf, size_t *len, size_t *cap, const char *p, size_t n) {
+    if (*len + n > *cap) {
+        size_t grown = *cap ? *cap : 1 << 16;
+        while (grown < *len + n) grown *= 2;
+        char *bigger = realloc(*buf, grown);
+        if (bigger == NULL) return -1;
+        *buf = bigger;
+        *cap = grown;
+    }
+    memcpy(*buf + *len, p, n);
+    *len += n;
+    return 0;
+}
+
 static int scanner_grow_slots(IdScanner *s) {
     size_t size = s->slots ? (s->mask + 1) * 2 : 1024;
     uint32_t *slots = calloc(size, sizeof *slots);
@@ -329,17 +344,9 @@ static int64_t scanner_entry(IdScanner *s, const char *p, size_t n) {
         s->entries = entries;
         s->cap_entries = cap;
     }
-    if (s->arena_len + n > s->arena_cap) {
-        size_t cap = s->arena_cap ? s->arena_cap : 1 << 16;
-        while (cap < s->arena_len + n) cap *= 2;
-        char *arena = realloc(s->arena, cap);
-        if (arena == NULL) return -1;
-        s->arena = arena;
-        s->arena_cap = cap;
-    }
-    memcpy(s->arena + s->arena_len, p, n);
-    s->entries[s->n_entries] = (Entry){hash, s->arena_len, n, NULL};
-    s->arena_len += n;
+    size_t offset = s->arena_len;
+    if (append_bytes(&s->arena, &s->arena_len, &s->arena_cap, p, n) < 0) return -1;
+    s->entries[s->n_entries] = (Entry){hash, offset, n, NULL};
     s->slots[i] = (uint32_t)(s->n_entries + 1);
     return (int64_t)s->n_entries++;
 }
@@ -370,17 +377,7 @@ typedef struct {
 } Scanned;
 
 static int push_text(Scanned *o, const char *p, size_t n) {
-    if (o->text_len + n > o->text_cap) {
-        size_t cap = o->text_cap ? o->text_cap : 1 << 16;
-        while (cap < o->text_len + n) cap *= 2;
-        char *text = realloc(o->text, cap);
-        if (text == NULL) return -1;
-        o->text = text;
-        o->text_cap = cap;
-    }
-    memcpy(o->text + o->text_len, p, n);
-    o->text_len += n;
-    return 0;
+    return append_bytes(&o->text, &o->text_len, &o->text_cap, p, n);
 }
 
 static int push_id(Scanned *o, uint32_t id, size_t end) {
