@@ -59,6 +59,8 @@ def _stat_for(metric: str) -> Stat:
     if definition.kind == "cache_hit_rate":
 
         def hit_rate(rows: np.ndarray) -> float:
+            if len(rows) == 0:  # no request of the class (the resample of none is 1-wide)
+                return math.nan
             rows = rows[~np.isnan(rows).any(axis=1)]
             total = rows[:, 1].sum()
             return float(rows[:, 0].sum() / total) if total > 0 else math.nan

@@ -110,6 +110,18 @@ def test_too_few_requests_is_inconclusive() -> None:
     assert "too few successful requests: 10 for new, 10 for base (need 20)" in v.reason
 
 
+def test_a_class_no_request_has_is_inconclusive_for_every_kind_of_metric() -> None:
+    # a trace whose rows say no turn: no request is of the class the rule judges (the
+    # cache hit rate, two columns a row, once failed on the resample of no rows)
+    rows = records("base", 1.0, klass="FIRST") + records("new", 0.5, seed=2, klass="FIRST")
+    for metric in ("cache_hit_rate", "ttft_p90", "ok_rate"):
+        for shared_ids in (True, False):
+            rule = VerdictRule.model_validate({"metric": metric, "class": "NEXT"})
+            v = judge(rows if shared_ids else unpaired(rows), rule)
+            assert v.word == "INCONCLUSIVE", (metric, shared_ids, v.reason)
+            assert "too few successful NEXT requests: 0 for new, 0 for base" in v.reason
+
+
 def test_failed_run_is_inconclusive() -> None:
     frame = derive_timings(pd.DataFrame(records("base", 1.0) + records("new", 0.5, seed=3)))
     v = evaluate_verdict(frame, EMPTY_UTIL, VerdictRule(metric="ttft_p90"), baseline="base",
