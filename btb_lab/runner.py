@@ -447,6 +447,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
     failure: Exception | None = None
     frames: StoredFrames | None = None
     drawing: forked.Warm | None = None
+    ran_all = False  # every planned run ended: a stop after this loses no record
     # One `try` from the first manifest on: a stop that lands while the directory is set
     # up (a sweep worker meets SIGTERM as its point starts) still marks it interrupted.
     try:
@@ -474,6 +475,7 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
                         manifest.repeats = planned  # `repeats: auto` goes past its minimum
                         manifest.runs_planned = len(plan.variants) * planned
                         manifest.save(run_dir)
+            ran_all = True
             # every record is in the parts: the drawing child plots from them while this
             # process converts them to parquet and analyses them
             from btb_lab.report.render import draw_from_parts
@@ -490,7 +492,9 @@ def _run_planned(plan: RunPlan, options: RunOptions, first_seed: int) -> RunOutc
             close()
         opened = (run_dir / MANIFEST).exists()
         if opened:
-            failure, interrupted, frames = _finish(run_dir, manifest, plan, interrupted, failure)
+            failure, interrupted, frames = _finish(
+                run_dir, manifest, plan, interrupted, failure, ran_all
+            )
         else:  # stopped, or refused by the disk, before the first manifest: nothing to keep
             (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
             _remove_if_empty(run_dir)
@@ -609,14 +613,25 @@ def _finish(
     plan: RunPlan,
     interrupted: KeyboardInterrupt | None,
     failure: Exception | None,
+    ran_all: bool = False,
 ) -> tuple[Exception | None, KeyboardInterrupt | None, StoredFrames | None]:
     """Records first, then the manifest that says whether they are complete. Returns the
     failure to report (the run's own, or the first write that failed here), the
     interrupt (the run's own, or one that arrived while converting the records) and the
-    frames written (for the report, which need not read them back)."""
+    frames written (for the report, which need not read them back).
+
+    A stop that arrives once every planned run has ended (`ran_all`: while the records
+    are converted or the plots drawn) is recorded, but the records are complete: so is
+    the run, and its verdict stands."""
     (run_dir / SPACE_RESERVE).unlink(missing_ok=True)
     if failure is not None:
         _record_failure(run_dir, manifest, failure)
+    for entry in manifest.runs:
+        if entry.status == "running":  # stopped between its last record and its status
+            entry.status = "interrupted" if interrupted is not None else "failed"
+            if entry.status == "failed" and entry.error is None:
+                entry.error = "the run stopped before this variant's run ended"
+            entry.finished = entry.finished or _now()
     frames = None
     try:
         frames = finalize_parquet(run_dir, plan.variants)
@@ -630,7 +645,7 @@ def _finish(
     manifest.interrupted = interrupted is not None
     manifest.complete = (
         failure is None
-        and interrupted is None
+        and (interrupted is None or ran_all)
         and len(manifest.runs) == manifest.runs_planned
         and all(r.status != "interrupted" for r in manifest.runs)
     )
@@ -821,9 +836,9 @@ def _run_repeat(
             return answer()
 
         def done(answer: dict[str, Any] | None, died: str) -> None:
-            if answer is None:
-                entry.status = "failed"
-                entry.error = died
+            if answer is None:  # died (`died` says how), or stopped before its run began
+                entry.status = "failed" if died else "interrupted"
+                entry.error = died or None
                 entry.finished = _now()
             else:
                 at = next(i for i, e in enumerate(manifest.runs) if e is entry)

@@ -10,8 +10,9 @@ workers send, and takes each worker's entry back when it ends.
 Stopping: Ctrl-C reaches every worker (one process group) and a signal to the parent
 alone is forwarded; each worker stops as a run in the parent would (records so far kept,
 its entry "interrupted") and answers, later signals ignored while it does; the parent
-raises once every worker has answered. A worker that dies without answering (killed,
-out of memory) leaves its records on disk and its entry "failed".
+raises once every worker has answered (a second stop does not wait: the parent kills
+the workers still running, their entries "interrupted"). A worker that dies without
+answering (killed, out of memory) leaves its records on disk and its entry "failed".
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Task:
     """One run for a worker: `start()` (in the parent, as the worker is forked) returns the
     parent's progress callback; `work(progress)` runs in the worker and returns its
     JSON-able answer; `done(answer)` takes it back in the parent (None: the worker died,
-    with `died` saying how)."""
+    with `died` saying how, or, `died` empty, it answered without one: stopped before
+    its work gave one)."""
 
     start: Callable[[], Callable[[int, int], None]]
     work: Callable[[WorkerProgress], Any]
@@ -134,18 +136,21 @@ def _worker(task: Task, fd: int, parent: int, received: list[int]) -> None:
         _ignore_stops()
         raise Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt
 
-    for sig in _STOPS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, stop)
     raised: dict[str, Any] | None = None
     answer: Any = None
     try:
+        # inside the `try`: a stop that lands as the handlers change is answered too
+        for sig in _STOPS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, stop)
         if received:  # noted by the handler this process was forked with
             stop(received[0], None)
         answer = task.work(WorkerProgress(fd))
+        _ignore_stops()  # the run is over: a stop from here on cannot lose its answer
     except BaseException as exc:  # every way out is sent to the parent
         _ignore_stops()
-        answer = getattr(exc, "answer", None)
+        # a stop after the work returned keeps the answer (the run ended as it says)
+        answer = getattr(exc, "answer", answer)
         raised = _describe(exc)
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -224,6 +229,7 @@ def run_tasks(tasks: list[Task], jobs: int) -> None:
                         _reap(worker)
                         finished.append(worker)
         finally:
+            killed = set()
             for worker in running.values():  # after a second stop or an error here only
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGKILL)
@@ -231,10 +237,14 @@ def run_tasks(tasks: list[Task], jobs: int) -> None:
                     os.close(worker.fd)
                 _reap(worker)
                 finished.append(worker)
+                killed.add(worker.order)
             selector.close()
             finished.sort(key=lambda w: w.order)
             for worker in finished:
-                died = "" if worker.answered else "its worker process died before it answered"
+                if worker.answered or (worker.order in killed and received):
+                    died = ""  # answered, or stopped here by a second stop: interrupted
+                else:
+                    died = "its worker process died before it answered"
                 worker.task.done(worker.answer if worker.answered else None, died)
     if stop is not None:  # the process's own handler, back in place, raises it (or dies)
         signal.raise_signal(stop)

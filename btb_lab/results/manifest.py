@@ -134,7 +134,7 @@ class Manifest(_Stored):
         reasons: list[str] = []
         if self.error:
             reasons.append(f"failed: {self.error}")
-        elif self.interrupted:
+        elif self.interrupted and not self.complete:  # a stop after every run: complete
             reasons.append("interrupted")
         elif not self.complete:
             reasons.append("incomplete" if self.finished else "never finished (killed?)")

@@ -308,6 +308,58 @@ def test_a_stop_during_the_last_manifest_save_is_recorded(
     assert len(pd.read_parquet(info.value.run_dir / "requests.parquet")) == 240
 
 
+def test_a_stop_after_every_variant_run_ended_leaves_a_complete_run(
+    tmp_path: Path, fake_effects, monkeypatch
+) -> None:
+    """Ctrl-C while the records are converted to parquet: every record is in the parts,
+    so the run is complete and its verdict stands (in the report written on the way out
+    and in every later `btb-lab report`), though the stop is recorded."""
+    import btb_lab.runner as runner
+    from btb_lab.report.render import build_report
+
+    EFFECTS["fast"] = 0.5
+
+    def stopped(run_dir: Path, variants: list[str] | None = None) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "finalize_parquet", stopped)
+    with pytest.raises(RunInterrupted) as info:
+        run_fake(tmp_path)
+    run_dir = info.value.run_dir
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["interrupted"], manifest["complete"]) == (True, True)
+    assert not (run_dir / "requests.parquet").exists()  # the parts hold the records
+    report = (run_dir / "report.md").read_text()
+    assert "INCOMPLETE RUN" not in report
+    assert "**VALIDATED**" in report
+    assert build_report(run_dir).verdict.word == "VALIDATED"
+    assert runner.Manifest.load(run_dir).partial_reasons() == []
+
+
+def test_a_stop_between_a_runs_last_record_and_its_status_marks_it_interrupted(
+    tmp_path: Path, fake_effects, monkeypatch
+) -> None:
+    """The stop lands after the backend returned, while the variant's utilization and
+    events are written: its entry says "interrupted", never "running"."""
+    import btb_lab.runner as runner
+
+    write = runner.write_events_part
+
+    def stopped(run_dir: Path, variant: str, *args: Any, **kwargs: Any) -> None:
+        if variant == "fast":
+            raise KeyboardInterrupt
+        write(run_dir, variant, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "write_events_part", stopped)
+    with pytest.raises(RunInterrupted) as info:
+        run_fake(tmp_path)
+    manifest = json.loads((info.value.run_dir / "manifest.json").read_text())
+    assert [(r["variant"], r["status"]) for r in manifest["runs"]] == [
+        ("base", "ok"), ("fast", "interrupted")
+    ]  # fmt: skip
+    assert (manifest["interrupted"], manifest["complete"]) == (True, False)
+
+
 def test_a_crashed_run_keeps_its_traceback_and_the_report_links_it(
     tmp_path: Path, fake_effects
 ) -> None:

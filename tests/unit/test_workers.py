@@ -160,6 +160,65 @@ def test_a_stop_sent_to_the_parent_alone_stops_every_worker(sig: signal.Signals)
     assert [entry for entry in log if entry[0] == "done"] == [("done", None, "")] * 2
 
 
+def test_a_stop_as_a_workers_handlers_go_in_is_answered_not_a_death(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C to the whole group lands in a worker the moment its own handler is in
+    place, before its work starts: the worker answers that it was interrupted (its run
+    "interrupted"), it is not a worker that died without a word (a "failed" run)."""
+    real, parent = signal.signal, os.getpid()
+
+    def landing(sig: int, handler: Any) -> Any:
+        previous = real(sig, handler)
+        if os.getpid() != parent and getattr(handler, "__name__", "") == "stop":
+            handler(sig, None)  # as if the signal arrived right after this call
+        return previous
+
+    monkeypatch.setattr(signal, "signal", landing)
+    log: list[Any] = []
+    with pytest.raises(KeyboardInterrupt):
+        workers.run_tasks([_task(lambda progress: "fine", log)], jobs=1)
+    assert [entry for entry in log if entry[0] == "done"] == [("done", None, "")]
+
+
+def test_a_stop_after_the_work_returned_keeps_its_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop lands in the worker after its run ended: the run's answer still reaches
+    the parent (its entry "ok"), and the parent raises the stop."""
+    real, parent = workers._ignore_stops, os.getpid()
+    calls = [0]
+
+    def landing() -> None:
+        calls[0] += 1
+        real()
+        if os.getpid() != parent and calls[0] == 1:
+            raise KeyboardInterrupt  # right after the work returned
+
+    monkeypatch.setattr(workers, "_ignore_stops", landing)
+    log: list[Any] = []
+    with pytest.raises(KeyboardInterrupt):
+        workers.run_tasks([_task(lambda progress: "fine", log)], jobs=1)
+    assert [entry for entry in log if entry[0] == "done"] == [("done", "fine", "")]
+
+
+def test_a_worker_a_second_stop_does_not_wait_for_is_interrupted_not_dead() -> None:
+    """Two stops (Ctrl-C twice; `timeout` delivers its signal twice, to the process and
+    to its group): the parent stops waiting and kills the worker that has not answered.
+    That run was stopped, not lost to a crash: it is answered as interrupted."""
+    log: list[Any] = []
+
+    def deaf(progress: workers.WorkerProgress) -> Any:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        os.kill(os.getppid(), signal.SIGINT)
+        time.sleep(0.3)
+        os.kill(os.getppid(), signal.SIGINT)
+        return _forever()
+
+    with pytest.raises(KeyboardInterrupt):
+        workers.run_tasks([_task(deaf, log)], jobs=1)
+    assert [entry for entry in log if entry[0] == "done"] == [("done", None, "")]
+
+
 def _forever() -> Any:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -321,6 +380,46 @@ def test_a_variant_whose_worker_dies_is_a_failed_run_and_the_others_are_kept(
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["variants"]["base"]["all"]["n"] == 60
     assert summary["verdict"]["word"] == "INCONCLUSIVE"
+
+
+@pytest.mark.parametrize("where", ["pages", "handler"])
+def test_a_worker_stopped_before_its_run_began_is_an_interrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Ctrl-C reaches a worker before its run began: while it takes its copies of the
+    requests' pages (an answer whose entry never started), or as its handler goes in
+    (no answer at all). Either way the run is "interrupted", not "running" nor "failed"."""
+    if not fork_safe():
+        pytest.skip("this process cannot fork workers")
+    from btb_lab import interrupts
+
+    monkeypatch.setattr(interrupts, "_received", [])  # no SIGTERM of an earlier test
+    parent = os.getpid()
+    if where == "pages":
+        own_pages = runner._own_pages
+
+        def stopped(requests: Any) -> None:
+            if os.getpid() != parent:
+                raise KeyboardInterrupt
+            own_pages(requests)
+
+        monkeypatch.setattr(runner, "_own_pages", stopped)
+    else:
+        real = signal.signal
+
+        def landing(sig: int, handler: Any) -> Any:
+            previous = real(sig, handler)
+            if os.getpid() != parent and getattr(handler, "__name__", "") == "stop":
+                handler(sig, None)
+            return previous
+
+        monkeypatch.setattr(signal, "signal", landing)
+    result = cli("run", write_small(tmp_path), "--no-progress", "--out", tmp_path / "run",
+                 "--jobs", "2")  # fmt: skip
+    assert result.code == 130, result.output
+    stored = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert [(r["status"], r["error"]) for r in stored["runs"]] == [("interrupted", None)] * 2
+    assert (stored["interrupted"], stored["complete"]) == (True, False)
 
 
 def test_jobs_below_zero_is_refused(tmp_path: Path) -> None:
