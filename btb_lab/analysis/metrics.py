@@ -62,7 +62,20 @@ def request_metrics(frame: pd.DataFrame) -> RequestMetrics:
             if m.percentile is None:
                 values[m.name] = float(data.mean()) if data.size else math.nan
             values.setdefault(m.name, math.nan)
-    return RequestMetrics(n=n, ok=ok, ok_rate=ok / n if n else None, **values)
+    return RequestMetrics(
+        n=n, ok=ok, ok_rate=ok / n if n else None, cache_hit_rate=_hit_rate(frame), **values
+    )
+
+
+def _hit_rate(frame: pd.DataFrame) -> float | None:
+    """Cached over prompt tokens, on the requests whose both counts are known (the
+    verdict's `cache_hit_rate`); None without prompt tokens."""
+    if not len(frame) or not {"cached_tokens", "input_tokens"} <= set(frame.columns):
+        return None
+    pairs = frame[["cached_tokens", "input_tokens"]].to_numpy(dtype=float)
+    pairs = pairs[~np.isnan(pairs).any(axis=1)]
+    total = pairs[:, 1].sum()
+    return float(pairs[:, 0].sum() / total) if total > 0 else None
 
 
 def cache_stats(frame: pd.DataFrame) -> CacheStats:

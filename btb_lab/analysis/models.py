@@ -71,6 +71,8 @@ class RequestMetrics(_Stored):
     e2e_p95: float | None = None
     e2e_p99: float | None = None
     e2e_mean: float | None = None
+    # cached prompt tokens / prompt tokens of these requests, as the verdict pools them
+    cache_hit_rate: float | None = None
 
     def value(self, metric: str) -> float | None:
         """A request-level metric by name (`ttft_p90`, `ok_rate`)."""

@@ -8,10 +8,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from btb_lab.analysis.metrics import cache_stats, gpu_stats, request_metrics
+from btb_lab.analysis.metrics import (
+    cache_stats,
+    gpu_stats,
+    request_metrics,
+    summarize_variants,
+)
 from btb_lab.analysis.models import RequestMetrics
 from btb_lab.config.metrics import LATENCIES, LATENCY_STATS, METRICS, REQUEST_METRIC_NAMES
 from btb_lab.records import derive_timings
+
+EMPTY_UTIL = pd.DataFrame(
+    columns=["variant", "repeat", "time_s", "instance", "device", "utilization"]
+)
 
 
 def frame(rows: list[dict]) -> pd.DataFrame:
@@ -127,4 +136,26 @@ def test_metric_definitions() -> None:
 def test_summary_model_has_a_field_per_request_metric() -> None:
     """summary.json's RequestMetrics and config.metrics name the same request metrics."""
     fields = set(RequestMetrics.model_fields) - {"n", "ok"}
-    assert fields == set(REQUEST_METRIC_NAMES) - {"cache_hit_rate"}
+    assert fields == set(REQUEST_METRIC_NAMES)
+
+
+def test_every_request_metric_has_a_value_overall_per_class_and_per_pool() -> None:
+    """What a sweep's table and an ablation's waterfall read (`VariantSummary.value`):
+    the cache hit rate too, pooled as the verdict pools it (cached / prompt tokens of the
+    requests whose counts are known), not only the latency and OK metrics."""
+    frame = derive_timings(pd.DataFrame({
+        "variant": "v", "repeat": 0, "request_id": ["a", "b", "c", "d"],
+        "source": ["art", "art", "synthetic", "synthetic"], "trace_id": "0", "route": "COLO",
+        "arrival_s": 0.0, "sent_s": 0.0, "first_token_s": [0.5, 0.7, 0.9, None],
+        "finish_s": [1.0, 1.2, 1.4, None], "output_tokens": 5,
+        "input_tokens": [1000, 3000, 2000, 4000], "cached_tokens": [500, 0, 2000, np.nan],
+        "ok": [True, True, True, False], "class": ["X", "Y", "X", "Y"],
+        "error": [None, None, None, "ConnectError"],
+    }))  # fmt: skip
+    variant = summarize_variants(frame, EMPTY_UTIL, ["v"], ["X", "Y"])["v"]
+    assert variant.value("cache_hit_rate") == pytest.approx(2500 / 6000)
+    assert variant.value("cache_hit_rate", "X") == pytest.approx(2500 / 3000)
+    assert variant.value("cache_hit_rate", "Y") == 0.0
+    assert variant.value("cache_hit_rate", "pool:synthetic") == 1.0
+    for metric in REQUEST_METRIC_NAMES:
+        assert variant.value(metric) is not None, metric
