@@ -13,7 +13,9 @@ import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from btb_lab.config.limits import MAX_UTIL_SAMPLES
 from btb_lab.config.sim import SimSettings
+from btb_lab.errors import UserError
 from btb_lab.model.costmodel import InstanceCosts
 from btb_lab.model.hardware import InstanceSpec
 from btb_lab.policies.base import CostModel, InstanceLoad
@@ -28,6 +30,7 @@ __all__ = [
     "PHASE_PREFILL",
     "EngineView",
     "InstanceState",
+    "TooLongSimulated",
     "utilization_samples",
 ]
 
@@ -54,6 +57,7 @@ class InstanceState:
         "index",
         "link_free_s",
         "load",
+        "max_bins",
         "mem_bin",
         "mem_peak",
         "mem_samples",
@@ -84,6 +88,7 @@ class InstanceState:
         settings: SimSettings,
         block_tokens: int,
         disk: set[int] | None,
+        n_instances: int = 1,
     ) -> None:
         self.spec = spec
         self.index = spec.index
@@ -130,6 +135,7 @@ class InstanceState:
         self.load = InstanceLoad(spec.index, spec.name, spec.role, 0, 0, 0)
         self.busy_since = 0.0
         self.busy_bins: list[float] = []
+        self.max_bins = MAX_UTIL_SAMPLES // max(1, n_instances)  # the run's share of the limit
         self.mem_bin = -1
         self.mem_peak = 0
         self.mem_samples: dict[int, int] = {}
@@ -170,6 +176,8 @@ class InstanceState:
         i = int(a_s / dt_s)
         j = int(b_s / dt_s)
         if j >= len(bins):
+            if j >= self.max_bins:
+                raise TooLongSimulated(b_s, dt_s)
             bins.extend([0.0] * (j + 1 - len(bins)))
         if i == j:
             bins[i] += b_s - a_s
@@ -215,12 +223,28 @@ class EngineView:
         return self._complete[instance].host_lead(block_hashes)
 
 
+class TooLongSimulated(UserError):
+    """The simulated time ran so far past the workload that its utilization samples would
+    not fit in memory: the instances cannot keep up (a cost setting far off), found while
+    the run goes (`runner._check_sim_sampling` checks the workload's own span before)."""
+
+    def __init__(self, time_s: float, dt_s: float) -> None:
+        super().__init__(
+            f"the simulated time passed {time_s:,.0f} s: the instances fall so far behind the "
+            f"workload that sampling their utilization every {dt_s:g} s would keep more than "
+            f"{MAX_UTIL_SAMPLES:,} samples; check the cost settings (costs.mfu, an engine "
+            "profile's times) or raise sim.sample_interval_s"
+        )
+
+
 def utilization_samples(
     insts: Sequence[InstanceState], dt_s: float, end_s: float
 ) -> list[UtilSample]:
     """Per instance and `dt_s` bin up to `end_s`: the busy fraction and the peak memory
     (weights + KV in use)."""
     n_bins = max(1, math.ceil(end_s / dt_s - 1e-9))
+    if n_bins * len(insts) > MAX_UTIL_SAMPLES:
+        raise TooLongSimulated(end_s, dt_s)
     out: list[UtilSample] = []
     for inst in insts:
         if inst.mem_bin >= 0:

@@ -146,7 +146,7 @@ class Scheduler:
         self.disk: set[int] = set()
         disk = self.disk if settings.disk_tier else None
         self.insts = [
-            InstanceState(s, c, settings, block_tokens, disk)
+            InstanceState(s, c, settings, block_tokens, disk, len(instances))
             for s, c in zip(instances, costs.per_instance, strict=True)
         ]
         self.costs = costs

@@ -8,6 +8,7 @@ periods that exhaust memory, duplicate keys (5), `--set` values the YAML reader 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,18 @@ def test_a_workload_stretched_beyond_the_sampling_budget_is_refused_before_it_ru
     result = cli("run", path, "--no-progress", "--out", tmp_path / "out")
     refused(result, f"{path}: sim.sample_interval_s:", "utilization samples")
     assert not (tmp_path / "out").exists()
+
+
+def test_instances_that_fall_years_behind_stop_the_run_with_one_line(tmp_path: Path) -> None:
+    # the workload spans seconds, but at an MFU of 1e-9 the instances finish its requests
+    # decades of simulated time later: a sample per second of that would exhaust memory
+    path = write_small(tmp_path)
+    out = tmp_path / "out"
+    result = cli("run", path, "--no-progress", "--out", out, "--set", "costs.mfu=1e-9")
+    refused(result, "the simulated time passed", "check the cost settings (costs.mfu",
+            f"{out}: the run is recorded as failed")  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {r["status"] for r in manifest["runs"]} == {"failed"}
 
 
 # --------------------------------------------------------- (7, 10) --set values and blame
