@@ -105,9 +105,10 @@ class Comparison(_Model):
     primary_metric: str
     gaps: list[MetricGap]
     verdicts: list[VerdictAgreement]
+    # variants best first, of those with a value on both sides; None: fewer than two
     reference_ranking: list[str]
     model_ranking: list[str]
-    same_ranking: bool
+    same_ranking: bool | None
     driver_offsets: list[DriverOffset] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
@@ -174,6 +175,18 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
             "runs of different experiments: " + "; ".join(problems)
             + " (pass --force to compare them anyway)"
         )  # fmt: skip
+    rule = first.hypothesis.verdict.model_dump(mode="json", by_alias=True)
+    for run in runs[1:]:  # the numbers compare; the verdicts answer another question
+        judged = run.analyzed.hypothesis
+        their_rule = judged.verdict.model_dump(mode="json", by_alias=True)
+        keys = [f"verdict.{k}" for k in sorted(set(rule) | set(their_rule))
+                if rule.get(k) != their_rule.get(k)]  # fmt: skip
+        if judged.baseline != first.hypothesis.baseline:
+            keys.insert(0, "baseline")
+        if keys:
+            problems.append(f"{run.run_dir} judges by another verdict rule than "
+                            f"{runs[0].run_dir} ({', '.join(keys)} differ): their verdicts "
+                            "need not agree")  # fmt: skip
     for run in runs:  # compared all the same, said
         manifest = run.analyzed.manifest
         if not manifest.complete:
@@ -250,15 +263,18 @@ def _spread(values: Sequence[float]) -> float | None:
     return (max(vals) - min(vals)) / mean if mean else None
 
 
-def _ranking(frames: Sequence[pd.DataFrame], variants: Sequence[str], metric: str,
-             direction: str) -> list[str]:  # fmt: skip
-    """Variants best first on `metric` (the claimed direction is the better one)."""
-    scored = []
-    for v in variants:
-        value, _, _ = _values(frames, v, "all", metric)
-        scored.append((value if math.isfinite(value) else math.inf, v))
+def _scores(
+    frames: Sequence[pd.DataFrame], variants: Sequence[str], metric: str
+) -> dict[str, float]:
+    """`metric` over all requests of each variant that has a value."""
+    values = {v: _values(frames, v, "all", metric)[0] for v in variants}
+    return {v: value for v, value in values.items() if math.isfinite(value)}
+
+
+def _ranking(scores: dict[str, float], variants: Sequence[str], direction: str) -> list[str]:
+    """Variants best first (the claimed direction is the better one)."""
     sign = 1.0 if direction == "decrease" else -1.0
-    return [v for _, v in sorted(scored, key=lambda s: (sign * s[0], variants.index(s[1])))]
+    return sorted(variants, key=lambda v: (sign * scores[v], variants.index(v)))
 
 
 def _driver_offsets(run: SideRun) -> list[DriverOffset]:
@@ -365,8 +381,15 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
         primary = "ttft_p50"
         warnings.append(f"ranking by ttft_p50: the primary metric {hyp.verdict.metric} is not a "
                         "latency compare computes")  # fmt: skip
-    ref_rank = _ranking(ref_frames, variants, primary, hyp.verdict.direction)
-    mod_rank = _ranking(model_frames, variants, primary, hyp.verdict.direction)
+    ref_scores = _scores(ref_frames, variants, primary)
+    mod_scores = _scores(model_frames, variants, primary)
+    # a ranking sets variants side by side: only those with a value on both sides
+    ranked = [v for v in variants if v in ref_scores and v in mod_scores]
+    ref_rank = _ranking(ref_scores, ranked, hyp.verdict.direction)
+    mod_rank = _ranking(mod_scores, ranked, hyp.verdict.direction)
+    if len(ranked) < len(variants) and len(variants) > 1:
+        missing = ", ".join(v for v in variants if v not in ranked)
+        warnings.append(f"ranking without {missing}: no {primary} on both sides")
     offsets = [o for r in reference if r.backend == "cluster" for o in _driver_offsets(r)]
     return Comparison(
         hypothesis=hyp.id,
@@ -379,7 +402,7 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
         verdicts=verdicts,
         reference_ranking=ref_rank,
         model_ranking=mod_rank,
-        same_ranking=ref_rank == mod_rank,
+        same_ranking=ref_rank == mod_rank if len(ranked) >= 2 else None,
         driver_offsets=offsets,
         warnings=warnings,
     )

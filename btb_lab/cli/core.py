@@ -24,6 +24,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 log_app = typer.Typer(help="The hypothesis log (hypotheses/LOG.md).", no_args_is_help=True)
 
+# `Comparison.same_ranking` in words (None: fewer than two variants to rank)
+_RANKING = {True: "same", False: "different", None: "n/a"}
+
 TIME_SCALE_HELP = (
     "Multiply every inter-arrival gap of the workload by this factor: >1 calmer (requests "
     "further apart), <1 denser (a heavier load). Overrides workload.time_scale."
@@ -287,7 +290,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(
             f"{comparison.model_backend} vs {comparison.reference_backend}: verdicts agree "
             f"{agree}/{len(comparison.verdicts)}, ranking "
-            f"{'same' if comparison.same_ranking else 'different'}"
+            f"{_RANKING[comparison.same_ranking]}"
         )
         typer.echo(f"comparison: {out / 'compare.md'}")
 

@@ -135,3 +135,40 @@ def test_a_variant_one_run_lacks_is_said_not_dropped(tmp_path: Path, fake_effect
     assert f"warning: {said}" in result.output
     assert said in (out / "compare.md").read_text()
     assert {g.variant for g in compare_runs([real, model]).gaps} == {"base"}
+    # one variant on both sides: nothing to rank
+    one = compare_runs([real, model])
+    assert (one.reference_ranking, one.same_ranking) == (["base"], None)
+    assert "ranking n/a" in result.output
+
+
+def test_a_side_without_records_ranks_nothing(tmp_path: Path, fake_effects) -> None:
+    """A run stopped before any record: every value n/a, so no ranking either (before, the
+    variants without a value sorted last and the orders "differed")."""
+    from tests.unit.test_runner_fake import INTERRUPT
+
+    EFFECTS.update({"base": 1.0, "fast": 0.5})
+    full = run_fake(tmp_path, out="full").run_dir
+    INTERRUPT["base"] = 0
+    with pytest.raises(KeyboardInterrupt):
+        run_fake(tmp_path, out="empty")
+    c = compare_runs([full, tmp_path / "empty"])
+    assert (c.model_ranking, c.same_ranking) == ([], None)
+    assert any("ranking without base, fast" in w for w in c.warnings)
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(app, ["compare", str(full), str(tmp_path / "empty"),
+                                      "--out", str(out)])  # fmt: skip
+    assert "ranking n/a" in result.output
+    assert "different order" not in (out / "compare.md").read_text()
+
+
+def test_runs_judged_by_another_verdict_rule_are_compared_with_a_warning(
+    pair: tuple[Path, Path],
+) -> None:
+    real, model = pair
+    other = Manifest.load(model)
+    other.hypothesis["verdict"]["metric"] = "ok_rate"
+    other.save(model)
+    c = compare_runs([real, model])
+    said = f"{model} judges by another verdict rule than {real} (verdict.metric differ)"
+    assert any(said in w for w in c.warnings), c.warnings
+    assert c.gap("base", "ttft_p90").error == pytest.approx(0.25)  # the numbers still compare
