@@ -179,9 +179,9 @@ def _append_locked(
 ) -> None:
     text = read_log(log_path)
     _check_marks(text, log_path)
-    spans = _entry_spans(text, hid, run_id)
-    if not spans and replace:
-        spans = _entry_spans(text, hid, None)
+    # replace: in place of the hypothesis's first entry, whichever run it is of (this
+    # run's own among them), the later ones removed; else this run's own entry updated
+    spans = _entry_spans(text, hid, None if replace else run_id)
     if spans:
         (i, j), *later = spans
         for a, b in reversed(later):

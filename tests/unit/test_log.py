@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from btb_lab.report.log import append_entry, parse_log
@@ -104,3 +105,24 @@ def test_replace_puts_a_new_run_in_place_of_the_old_entry(tmp_path: Path, fake_e
     log.write_text(before)
     append_entry(rerun, log)
     assert [e.hypothesis for e in parse_log(log.read_text())] == ["H1", "HT", "HO", "HT"]
+
+
+def test_replace_with_a_run_already_in_the_log_keeps_one_entry_where_the_first_was(
+    tmp_path: Path, fake_effects
+) -> None:
+    """Runs A, B, C of one hypothesis appended, then `--replace` with B: B's entry alone
+    remains, where A's was (before, B's own entry was updated and A and C stayed)."""
+    import re
+
+    runs = [run_fake(tmp_path, out=name, seed=seed).run_dir for name, seed in
+            (("a", 1), ("b", 2), ("c", 3))]  # fmt: skip
+    log = tmp_path / "LOG.md"
+    log.write_text(HAND)
+    for run in runs:
+        append_entry(run, log)
+    append_entry(runs[1], log, replace=True)
+    after = log.read_text()
+    assert [e.hypothesis for e in parse_log(after)] == ["H1", "HT"]
+    b_id = json.loads((runs[1] / "manifest.json").read_text())["run_id"]
+    assert re.findall(r"btb-lab:entry HT run=(\S+) -->", after) == [b_id]
+    assert after.startswith(HAND)
