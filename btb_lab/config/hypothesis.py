@@ -265,6 +265,17 @@ class ClassRule(StrictModel):
         default_factory=list, description="All conditions must hold (AND)."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _printable_label(cls, name: str) -> str:
+        """A label the report prints at the start of a line, and `class:` refers to."""
+        if not name.strip():
+            raise ValueError("a class name must not be empty")
+        if name != name.strip() or not name.isprintable():
+            raise ValueError(f"class name {name!r} has surrounding spaces or a non-printing "
+                             "character; rename it")  # fmt: skip
+        return name
+
 
 class Guard(StrictModel):
     metric: str = Field(
@@ -350,6 +361,16 @@ class VerdictRule(StrictModel):
     min_ok_requests: int = Field(
         20, ge=1, description="Fewer successful requests per variant → INCONCLUSIVE."
     )
+
+    @model_validator(mode="after")
+    def _reachable_effect(self) -> VerdictRule:
+        # every metric is non-negative: a relative decrease is at most 100%
+        if self.direction == "decrease" and self.min_effect > 1:
+            raise ValueError(
+                f"min_effect {self.min_effect:g} asks for a decrease of more than 100%, which "
+                "no variant can reach (0.05 = 5%)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pools_are_request_scopes(self) -> VerdictRule:

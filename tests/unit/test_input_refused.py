@@ -136,6 +136,12 @@ CASES = [
     ("repeats", "repeats: 1", "repeats: 1000000000", "repeats", "less than or equal to 1000"),
     ("duplicate key", "repeats: 1", "repeats: 1\nrepeats: 2", "repeats",
      "duplicate key 'repeats' (first given at line"),
+    ("decrease beyond 100%", "min_effect: 0.05", "min_effect: 5", "verdict",
+     "min_effect 5 asks for a decrease of more than 100%"),
+    ("empty class name", "name: SHORT", "name: ''", "classes.1.name",
+     "a class name must not be empty"),
+    ("class name with spaces", "name: SHORT", "name: ' SHORT'", "classes.1.name",
+     "surrounding spaces"),
 ]  # fmt: skip
 
 
