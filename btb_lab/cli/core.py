@@ -230,30 +230,47 @@ def register(app: typer.Typer) -> None:
             runs = [Path(target)]
         else:
             runs = [resolve_run_dir(target, results)]
+        unreadable = 0
         for run_dir in runs:
-            both = load_crosscheck(run_dir)
-            if both is not None:
-                from btb_lab.report.compare import write_comparison
-
-                dirs = [run_dir / both.runs[both.reference]]
-                dirs += [run_dir / p for b, p in both.runs.items() if b != both.reference]
-                for sub in dirs:
-                    try:
-                        run = build_report(sub)
-                    except OSError as exc:  # a full or read-only disk
-                        raise OutputError(describe_os_error(exc, sub)) from None
-                    typer.echo(f"{sub / 'report.md'}: {run.verdict.word}")
-                try:
-                    write_comparison(dirs, run_dir / both.compare)
-                except OSError as exc:
-                    raise OutputError(describe_os_error(exc, run_dir / both.compare)) from None
-                typer.echo(f"{run_dir / both.compare / 'compare.md'}")
-                continue
             try:
-                run = build_report(run_dir)
-            except OSError as exc:  # a full or read-only disk: nothing half-written stays
-                raise OutputError(describe_os_error(exc, run_dir)) from None
-            typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
+                _rerender(run_dir, build_report)
+            except OutputError:  # a full or read-only disk: every later run fails too
+                raise
+            except UserError as exc:
+                if not all_:
+                    raise
+                unreadable += 1  # one damaged run does not stop the others
+                typer.echo(f"error: {exc}", err=True)
+        if unreadable:
+            raise UserError(f"{unreadable} of {len(runs)} runs under {results}/ could not be "
+                            "re-rendered (each said above); the others were")  # fmt: skip
+
+    def _rerender(run_dir: Path, build_report: Callable[..., Any]) -> None:
+        from btb_lab.crosscheck import load_crosscheck
+
+        both = load_crosscheck(run_dir)
+        if both is not None:
+            from btb_lab.report.compare import write_comparison
+
+            dirs = [run_dir / both.runs[both.reference]]
+            dirs += [run_dir / p for b, p in both.runs.items() if b != both.reference]
+            for sub in dirs:
+                try:
+                    run = build_report(sub)
+                except OSError as exc:  # a full or read-only disk
+                    raise OutputError(describe_os_error(exc, sub)) from None
+                typer.echo(f"{sub / 'report.md'}: {run.verdict.word}")
+            try:
+                write_comparison(dirs, run_dir / both.compare)
+            except OSError as exc:
+                raise OutputError(describe_os_error(exc, run_dir / both.compare)) from None
+            typer.echo(f"{run_dir / both.compare / 'compare.md'}")
+            return
+        try:
+            run = build_report(run_dir)
+        except OSError as exc:  # a full or read-only disk: nothing half-written stays
+            raise OutputError(describe_os_error(exc, run_dir)) from None
+        typer.echo(f"{run_dir / 'report.md'}: {run.verdict.word}")
 
     @app.command()
     @user_errors

@@ -517,6 +517,22 @@ def test_report_all_with_a_target_is_refused(small_run: Path) -> None:
     refused(cli("report", "--all", small_run), "--all re-renders every run", "drop")
 
 
+def test_report_all_re_renders_the_other_runs_past_a_damaged_one(
+    small_run: Path, tmp_path: Path
+) -> None:
+    # it stopped at the first run it could not read: the runs after it were not re-rendered
+    results = tmp_path / "results"
+    for name in ("A/1-damaged", "B/2-good"):
+        shutil.copytree(small_run, results / name)
+    (results / "A/1-damaged/manifest.json").write_text("[]", encoding="utf-8")
+    (results / "B/2-good/report.md").unlink()
+    result = cli("report", "--all", "--results", results)
+    refused(result, "1-damaged/manifest.json: not a btb-lab manifest",
+            "1 of 2 runs under")  # fmt: skip
+    assert (results / "B/2-good/report.md").is_file()
+    assert "2-good/report.md: " in result.out
+
+
 def test_the_note_on_fewer_requests_names_the_offset(tmp_path: Path) -> None:
     trace = tmp_path / "g.jsonl"
     assert cli("trace", "generate", "poisson", "-o", trace, "-p", "requests=50").code == 0
