@@ -86,7 +86,7 @@ def _load(
     help="Generate a workload and write it in the bursted-art schema. " + TIME_HELP,
 )
 def generate_cmd(
-    kind: str = typer.Argument(help="Generator: bursted, agentic, poisson, gamma."),
+    kind: str = typer.Argument(help="Generator: bursted, seed_bursty, agentic, poisson, gamma."),
     out: Path = typer.Option(..., "--out", "-o", help="Output JSONL file."),
     param: list[str] = typer.Option(
         [], "--param", "-p", help="Generator parameter key=value (repeatable)."

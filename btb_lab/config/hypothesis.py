@@ -374,11 +374,12 @@ class VerdictRule(StrictModel):
 
     @model_validator(mode="after")
     def _pools_are_request_scopes(self) -> VerdictRule:
-        scoped = [("verdict", self.metric, self.pool)]
-        scoped += [(f"guard {g.metric}", g.metric, g.pool) for g in self.guards]
+        # the error is placed at `verdict`: a guard's says which guard
+        scoped = [("", self.metric, self.pool)]
+        scoped += [(f"guard {g.metric}: ", g.metric, g.pool) for g in self.guards]
         for where, metric, pool in scoped:
             if pool is not None and metric in METRICS and METRICS[metric].level != "request":
-                raise ValueError(f"{where}: metric {metric!r} cannot be restricted to a pool")
+                raise ValueError(f"{where}metric {metric!r} cannot be restricted to a pool")
         return self
 
 

@@ -26,7 +26,7 @@ class TraceSpec(StrictModel):
 
 
 class GeneratorSpec(StrictModel):
-    kind: str = Field(description="Generator name: bursted, agentic, poisson, gamma.")
+    kind: str = Field(description="Generator name: bursted, seed_bursty, agentic, poisson, gamma.")
     params: dict[str, Any] = Field(
         default_factory=dict, description="Generator parameters (validated by the generator)."
     )
