@@ -134,9 +134,13 @@ class _Where:
         # compared as dotted text, so that a key with dots (variant `of_1.5`) matches
         key = ".".join(str(p) for p in path)
         written = tuple(path) in self.lines
+        # the first level along the path the file did not write (an override made it, a
+        # variant `variants.new` say, when the override lies under it)
+        cut = next(c for c in range(len(path), -1, -1) if c == 0 or tuple(path[:c]) in self.lines)
+        made = ".".join(str(p) for p in path[: cut + 1]) if not written else ""
         for prefix, origin in self.overrides:
             # the override set this path, or made it (a key the file does not have)
-            if _within(key, prefix) or (key and not written and _within(prefix, key)):
+            if _within(key, prefix) or (made and _within(prefix, made)):
                 return origin
         here = f"{self.file}:{_line_for(path, self.lines)}"
         # a check of the whole of something the file wrote and an override changed inside

@@ -198,3 +198,13 @@ def test_ablation_table_keeps_its_headline_when_the_sweep_turns_reductions_off(
 ) -> None:
     path = sweep_file(tmp_path, "axes: {setup: {one: {}}}\ntable: {reductions: false}\n")
     assert ablation_sweep(load_sweep(path), "infer-sim")["table"]["reductions"] is True
+
+
+def test_a_grid_key_that_makes_a_new_variant_is_blamed_at_its_line(tmp_path: Path) -> None:
+    # the new variant lacks its router: the error was placed at the base file's variants
+    path = sweep_file(tmp_path, "grid:\n  variants.nope.router.params.replicas: [2]\n")
+    result = cli("sweep", path, "--dry-run")
+    assert result.code == 2, result.output
+    assert f"{path}:4: grid.variants.nope.router.params.replicas (point " in result.err
+    assert "variants.nope.router.policy: required field is missing" in result.err
+    assert "hs.yaml" not in result.err
