@@ -353,6 +353,9 @@ def register(app: typer.Typer) -> None:
 
         from btb_lab.report.log import parse_log, read_log
 
+        if log.is_dir():
+            raise UserError(f"{log}: a folder, not a log file (--log names the file, e.g. "
+                            "hypotheses/LOG.md)")  # fmt: skip
         if not log.is_file():
             raise UserError(f"{log}: no such log file")
         table = Table("id", "title", "verdict", "run")

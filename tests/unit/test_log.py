@@ -126,3 +126,12 @@ def test_replace_with_a_run_already_in_the_log_keeps_one_entry_where_the_first_w
     b_id = json.loads((runs[1] / "manifest.json").read_text())["run_id"]
     assert re.findall(r"btb-lab:entry HT run=(\S+) -->", after) == [b_id]
     assert after.startswith(HAND)
+
+
+def test_log_show_names_a_folder_given_as_the_log(tmp_path: Path) -> None:
+    from tests.helpers import cli
+
+    result = cli("log", "show", "--log", tmp_path)
+    assert result.code == 2, result.output
+    assert f"{tmp_path}: a folder, not a log file" in result.err
+    assert "no such log file" in cli("log", "show", "--log", tmp_path / "LOG.md").err
