@@ -13,7 +13,8 @@ both sides, each resample draws one set of repeats for both (the same workloads)
 
 Outcomes are read off the interval, signs taken so positive is the claimed direction and
 m is the minimum effect: beyond m (`holds`) → VALIDATED when every guard holds (PARTIALLY
-VALIDATED when one fails, or when declared classes split); entirely short of m (`small`,
+VALIDATED when one fails, or when declared classes split; INCONCLUSIVE when one has no
+value to check, e.g. a pool without requests); entirely short of m (`small`,
 or `noise` when it holds 0) or entirely against the claim (`reversed`) → REJECTED; holding
 effects both beyond m and short of it (`straddles`) → INCONCLUSIVE, needs more repeats.
 Too few successful requests or failed runs are INCONCLUSIVE too.
@@ -402,6 +403,11 @@ def _decide(
                 f"{beyond}, but not confirmed: {primary.repeats_contradict} "
                 f"{'repeats point' if many else 'repeat points'} against the claimed "
                 f"{rule.direction} ({', '.join(against)}) and every repeat must agree"
+            )
+        elif any(g.worse_by is None for g in failed_guards):  # no value: cannot be checked
+            verdict.word = INCONCLUSIVE
+            verdict.reason = f"{beyond}, but a guard cannot be checked: " + "; ".join(
+                _guard_text(g) for g in failed_guards
             )
         elif failed_guards:
             verdict.word = PARTIAL

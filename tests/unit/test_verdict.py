@@ -96,6 +96,17 @@ def test_guard_failure_is_partial() -> None:
     assert abs(guard.worse_by - 0.1) < 1e-9
 
 
+def test_a_guard_without_a_value_is_inconclusive_not_failed() -> None:
+    # a guard on a pool no request is in: whether it holds is unknown (it read as failed,
+    # PARTIALLY VALIDATED)
+    guard = {"metric": "ok_rate", "max_worse": 0.01, "pool": "nope"}
+    rule = VerdictRule(metric="ttft_p90", min_effect=0.05, guards=[guard])
+    rows = records("base", 1.0, seed=1) + records("new", 0.6, seed=2)
+    v = judge([{**r, "source": "synthetic"} for r in rows], rule)
+    assert v.word == "INCONCLUSIVE"
+    assert "but a guard cannot be checked: OK rate (nope pool) undefined" in v.reason
+
+
 def test_guard_holding_keeps_validated() -> None:
     rule = VerdictRule(metric="ttft_p90", min_effect=0.05,
                        guards=[{"metric": "ok_rate", "max_worse": 0.01}])  # fmt: skip
