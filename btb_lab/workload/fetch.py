@@ -40,16 +40,34 @@ class FetchResult:
 
 
 def count_complete_rows(path: Path) -> int:
-    """Complete lines in `path`; a torn last line (interrupted write) is cut off."""
+    """Complete rows in `path` (a torn last line, an interrupted write, does not count)."""
+    return _resumable(path)[0]
+
+
+def _resumable(path: Path) -> tuple[int, int]:
+    """(complete rows, bytes they take) of an earlier fetch into `path`; nothing is
+    changed here: a torn last line is cut only once new rows arrive. A file that is not
+    rows of JSON objects (a parquet trace, notes) is refused, never cut."""
     if not path.exists():
-        return 0
+        return 0, 0
+    if not path.is_file():
+        raise UserError(f"{path}: not a file; fetch into a new JSONL file")
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with path.open("r+b") as handle:
-            handle.truncate(cut)
-        data = data[:cut]
-    return sum(1 for line in data.splitlines() if line.strip())
+    keep = data.rfind(b"\n") + 1
+    lines = [line for line in data[:keep].splitlines() if line.strip()]
+    for line in lines[:1] + lines[-1:]:
+        try:
+            row = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            row = None
+        if not isinstance(row, dict):
+            raise UserError(
+                f"{path}: exists and is not rows of JSON objects (an earlier fetch to "
+                "resume); fetch into a new file"
+            )
+    if data[keep:].strip() and not lines:
+        raise UserError(f"{path}: exists and holds no complete row; fetch into a new file")
+    return len(lines), keep
 
 
 def _get_page(
@@ -101,13 +119,13 @@ def fetch_rows(
     Resumes: rows already complete in `out` count as fetched, so paging starts after
     them. `on_progress(rows_in_file, target_rows)` is called after every page.
     """
-    existing = count_complete_rows(out)
+    existing, keep = _resumable(out)
     target = rows
     start = offset + existing
     fetched = 0
     total: int | None = None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a", encoding="utf-8") as handle:
+    handle: Any = None  # opened once the first page is in: a failed fetch changes nothing
+    try:
         while target is None or existing + fetched < target:
             want = page_rows if target is None else min(page_rows, target - existing - fetched)
             page = _get_page(client, dataset, config, split, start + fetched, want)
@@ -120,8 +138,16 @@ def fetch_rows(
                         f"({', '.join(item['truncated_cells'])}); download the parquet files "
                         "instead"
                     )
+            if page_items and handle is None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                if out.exists() and out.stat().st_size > keep:
+                    with out.open("r+b") as torn:  # the interrupted write's torn last line
+                        torn.truncate(keep)
+                handle = out.open("a", encoding="utf-8")
+            for item in page_items:
                 handle.write(json.dumps(item["row"], separators=(",", ":")) + "\n")
-            handle.flush()
+            if handle is not None:
+                handle.flush()
             fetched += len(page_items)
             if target is None and total is not None:
                 target = max(0, total - offset)
@@ -129,4 +155,7 @@ def fetch_rows(
                 on_progress(existing + fetched, target)
             if not page_items or (total is not None and start + fetched >= total):
                 break
+    finally:
+        if handle is not None:
+            handle.close()
     return FetchResult(out, existing, fetched, total)

@@ -103,3 +103,37 @@ def test_http_error_names_dataset(tmp_path: Path) -> None:
     client = httpx.Client(transport=httpx.MockTransport(missing))
     with pytest.raises(UserError, match=r"answered 404 for nobody/none .*does not exist"):
         fetch_rows("nobody/none", tmp_path / "x.jsonl", client=client)
+
+
+def _offline() -> httpx.Client:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("Name or service not known", request=request)
+
+    return httpx.Client(transport=httpx.MockTransport(refuse))
+
+
+def test_a_failed_fetch_leaves_an_existing_file_as_it_was(tmp_path: Path) -> None:
+    # the torn last line was cut before the first request: offline, the file lost its end
+    out = tmp_path / "resume.jsonl"
+    out.write_text('{"arrival_s": 0.0}\n{"arrival_s": 1.0, "tra', encoding="utf-8")
+    before = out.read_bytes()
+    with pytest.raises(UserError, match="offline"):
+        fetch_rows(RECORDED["dataset"], out, client=_offline())
+    assert out.read_bytes() == before
+    with pytest.raises(UserError, match="offline"):  # nor is a new one left empty
+        fetch_rows(RECORDED["dataset"], tmp_path / "new.jsonl", client=_offline())
+    assert not (tmp_path / "new.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"PAR1\x00\x01binary\x00PAR1", b"PAR1\n\x00binary\nPAR1", b"line one\nnotes, no newline"],
+)
+def test_a_file_that_is_not_an_earlier_fetch_is_refused_untouched(
+    tmp_path: Path, content: bytes
+) -> None:
+    out = tmp_path / "trace.parquet"
+    out.write_bytes(content)
+    with pytest.raises(UserError, match="exists and (is not rows of JSON|holds no complete)"):
+        fetch_rows(RECORDED["dataset"], out, client=_client(Recorded()))
+    assert out.read_bytes() == content
