@@ -134,6 +134,6 @@ def test_a_file_that_is_not_an_earlier_fetch_is_refused_untouched(
 ) -> None:
     out = tmp_path / "trace.parquet"
     out.write_bytes(content)
-    with pytest.raises(UserError, match="exists and (is not rows of JSON|holds no complete)"):
+    with pytest.raises(UserError, match=r"exists and (is not rows of JSON|holds no complete)"):
         fetch_rows(RECORDED["dataset"], out, client=_client(Recorded()))
     assert out.read_bytes() == content
