@@ -77,6 +77,9 @@ def _load(
         raise UserError(f"{path}: trace file is empty")
     if time_scale != 1.0:
         loaded.requests = apply_time_scale(loaded.requests, time_scale)
+        if not all(math.isfinite(r.arrival_s) for r in loaded.requests):
+            raise UserError(f"--time-scale {time_scale:g}: arrival times overflow to infinity; "
+                            "use a smaller value")  # fmt: skip
     return name, loaded
 
 

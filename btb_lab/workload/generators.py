@@ -90,9 +90,25 @@ def parse_params(kind: str, params: dict[str, Any]) -> StrictModel:
 
 
 def generate(kind: str, params: dict[str, Any], ctx: GenContext) -> list[Request]:
-    """Run a generator by name with unvalidated params."""
+    """Run a generator by name with unvalidated params. Arrivals that are not finite (a
+    rate so small that the gaps overflow) are refused here, before anything is written."""
+    import numpy as np
+
     entry = GENERATORS.get(kind)
-    return entry.generate(parse_params(kind, params), ctx)
+    parsed = parse_params(kind, params)
+    with np.errstate(all="ignore"):  # overflow is checked below, once
+        requests = entry.generate(parsed, ctx)
+    if not all(math.isfinite(r.arrival_s) for r in requests):
+        raise UserError(
+            f"workload.generator.params: {kind} arrival times are not finite numbers with "
+            f"these parameters (a rate so small, or gaps so long, that they overflow): "
+            f"{_shown(params)}; use other values"
+        )
+    return requests
+
+
+def _shown(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(params.items())) or "the defaults"
 
 
 # ---------------------------------------------------------------- shared helpers

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from btb_lab.cli import app
 from btb_lab.workload.formats import load_trace
+from tests.helpers import cli
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "workload"
 runner = CliRunner()
@@ -84,3 +85,31 @@ def test_user_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "generator 'agentic' param 'sesions'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["audit", "inspect"])
+def test_a_time_scale_that_overflows_is_refused(command: str) -> None:
+    # audit looped for ever on the infinite arrivals; inspect printed `span inf s`
+    path = str(FIXTURES / "mooncake_small.jsonl")
+    result = cli("trace", command, path, "--time-scale", "1e308")
+    assert result.code == 2, result.output
+    assert "--time-scale 1e+308: arrival times overflow to infinity" in result.output
+
+
+@pytest.mark.parametrize(
+    ("kind", "params"),
+    [("poisson", ["requests=5", "rate_per_s=1e-320"]),
+     ("agentic", ["sessions=3", "session_rate_per_s=1e-320"])],
+)  # fmt: skip
+def test_generate_refuses_arrivals_that_are_not_finite(
+    tmp_path: Path, kind: str, params: list[str]
+) -> None:
+    # it wrote Infinity / NaN arrivals that no loader then accepted
+    out = tmp_path / "g.jsonl"
+    args = ["trace", "generate", kind, "-o", str(out)]
+    for p in params:
+        args += ["-p", p]
+    result = cli(*args)
+    assert result.code == 2, result.output
+    assert f"{kind} arrival times are not finite numbers" in result.output
+    assert not out.exists()
