@@ -41,10 +41,10 @@ def steps_reaching(elapsed_s: float, c0: float, c1: float) -> int:
     # root of a k² + b k = elapsed with a = c1/2, b = c0 - c1/2, then guarded below
     a = 0.5 * c1
     b = c0 - 0.5 * c1
-    if a > 0:
-        k = math.ceil((-b + math.sqrt(b * b + 4 * a * elapsed_s)) / (2 * a))
-    else:
-        k = math.ceil(elapsed_s / b)
+    root = (-b + math.sqrt(b * b + 4 * a * elapsed_s)) / (2 * a) if a > 0 else elapsed_s / b
+    # b² overflows when a step takes ~1e154 s or more (a cost setting far off): then k is
+    # tiny, and elapsed / c0 bounds it from above (each step takes at least c0)
+    k = math.ceil(root) if math.isfinite(root) else math.ceil(elapsed_s / c0)
     # the float root can be one off either way: settle k exactly with the formula itself
     target = elapsed_s - TIME_EPS_S
     while k > 0 and segment_s(k - 1, c0, c1, 0.0) >= target:

@@ -173,11 +173,11 @@ class InstanceState:
         if b_s <= a_s:
             return
         bins = self.busy_bins
+        if b_s >= self.max_bins * dt_s:  # an infinite time too
+            raise TooLongSimulated(b_s, dt_s)
         i = int(a_s / dt_s)
         j = int(b_s / dt_s)
         if j >= len(bins):
-            if j >= self.max_bins:
-                raise TooLongSimulated(b_s, dt_s)
             bins.extend([0.0] * (j + 1 - len(bins)))
         if i == j:
             bins[i] += b_s - a_s
@@ -229,8 +229,9 @@ class TooLongSimulated(UserError):
     the run goes (`runner._check_sim_sampling` checks the workload's own span before)."""
 
     def __init__(self, time_s: float, dt_s: float) -> None:
+        shown = f"{time_s:,.0f}" if time_s < 1e15 else f"{time_s:.3g}"
         super().__init__(
-            f"the simulated time passed {time_s:,.0f} s: the instances fall so far behind the "
+            f"the simulated time passed {shown} s: the instances fall so far behind the "
             f"workload that sampling their utilization every {dt_s:g} s would keep more than "
             f"{MAX_UTIL_SAMPLES:,} samples; check the cost settings (costs.mfu, an engine "
             "profile's times) or raise sim.sample_interval_s"

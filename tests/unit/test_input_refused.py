@@ -187,12 +187,16 @@ def test_a_workload_stretched_beyond_the_sampling_budget_is_refused_before_it_ru
     assert not (tmp_path / "out").exists()
 
 
-def test_instances_that_fall_years_behind_stop_the_run_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("setting", ["costs.mfu=1e-9", "costs.mbu=1e-300"])
+def test_instances_that_fall_years_behind_stop_the_run_with_one_line(
+    tmp_path: Path, setting: str
+) -> None:
     # the workload spans seconds, but at an MFU of 1e-9 the instances finish its requests
     # decades of simulated time later: a sample per second of that would exhaust memory
+    # (a MemoryError); at an MBU of 1e-300 a decode step's time overflowed (OverflowError)
     path = write_small(tmp_path)
     out = tmp_path / "out"
-    result = cli("run", path, "--no-progress", "--out", out, "--set", "costs.mfu=1e-9")
+    result = cli("run", path, "--no-progress", "--out", out, "--set", setting)
     refused(result, "the simulated time passed", "check the cost settings (costs.mfu",
             f"{out}: the run is recorded as failed")  # fmt: skip
     manifest = json.loads((out / "manifest.json").read_text())
