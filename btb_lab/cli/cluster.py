@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 from pathlib import Path
 
@@ -97,6 +98,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+BENCH_MAX_S = 600  # the longest `router bench` (its requests at its rate)
+
+
 @router_app.command("bench")
 def bench(
     requests: int = typer.Option(3000, "--requests", help="Requests to send."),
@@ -107,7 +111,19 @@ def bench(
     """Drive a local fast fake OpenAI server with short requests; report the sustained
     rate and the driver's send lag (target ≥ 500 req/s with p99 lag < 5 ms)."""
     from btb_lab.cluster.bench import run_bench
+    from btb_lab.errors import UserError
 
+    if not 1 <= requests <= 1_000_000:
+        raise UserError(f"--requests must be 1 to 1,000,000 (got {requests})")
+    if not 1 <= output_tokens <= 4096:
+        raise UserError(f"--output-tokens must be 1 to 4,096 (got {output_tokens})")
+    if not (math.isfinite(rate) and rate > 0):
+        raise UserError(f"--rate must be a finite number of requests/s > 0 (got {rate:g})")
+    if requests / rate > BENCH_MAX_S:
+        raise UserError(
+            f"--requests {requests} at --rate {rate:g}/s would take {requests / rate:,.0f} s; "
+            f"the bench runs at most {BENCH_MAX_S} s"
+        )
     result = run_bench(requests=requests, rate_rps=rate, output_tokens=output_tokens)
     if as_json:
         typer.echo(json.dumps(result.as_dict()))

@@ -285,3 +285,15 @@ def test_an_out_in_the_way_is_refused_before_the_workload_loads(
     assert "Traceback" not in result.output
     kept = out if kind == "file" else out / "kept.txt"
     assert kept.read_text() == ("x" if kind == "file" else "kept")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [(["--rate", "0"], "--rate must be a finite number"),  # a ZeroDivisionError
+     (["--rate", "nan"], "--rate must be a finite number"),
+     (["--rate", "1e-9"], "the bench runs at most 600 s"),  # it waited for ever
+     (["--requests", "-5"], "--requests must be 1 to 1,000,000"),
+     (["--output-tokens", "-1"], "--output-tokens must be 1 to 4,096")],
+)  # fmt: skip
+def test_router_bench_refuses_flags_it_cannot_run(args: list[str], expected: str) -> None:
+    refused(cli("router", "bench", *args), expected)
