@@ -8,6 +8,7 @@ load than 20), after re-basing each window (trace_id) to its first request.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -249,7 +250,15 @@ def convert_cmd(
     # One token per block: every id count passes the loader's check here; a run checks
     # the ids against its own block size when it loads the converted file.
     _, loaded = _load(path, fmt, 1, skip_bad_rows, 1.0)
-    partial = out.with_name(f".{out.stem}.partial.parquet")  # loaders go by the suffix
+    import tempfile
+
+    # a name of its own beside the output (never the source's, nor an earlier one's);
+    # loaders go by the suffix
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".partial.parquet",
+                                dir=out.parent)  # fmt: skip
+    os.close(fd)
+    partial = Path(name)
     try:
         try:
             rows = write_bursted_art_parquet(loaded.requests, partial)

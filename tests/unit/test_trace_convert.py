@@ -164,3 +164,15 @@ def test_an_existing_output_is_replaced_only_with_force(tmp_path: Path, command:
     folder = cli("trace", *args, "-o", directory)
     assert folder.code == 2
     assert "is a directory" in folder.err
+
+
+def test_a_source_named_like_the_old_temporary_file_is_kept(tmp_path: Path) -> None:
+    # the temporary file was `.{stem}.partial.parquet`: converting that very file to
+    # `{stem}.parquet` wrote over the source and moved it away
+    first = tmp_path / ".bh.partial.parquet"
+    assert cli("trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", first).code == 0
+    before = first.read_bytes()
+    result = cli("trace", "convert", first, "-o", tmp_path / "bh.parquet")
+    assert result.code == 0, result.output
+    assert first.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bh.partial.parquet", "bh.parquet"]
