@@ -76,7 +76,9 @@ def serve(
         for ep in endpoints:
             typer.echo(f"{ep.name} ({ep.role}) {ep.base_url}")
         typer.echo(f"router ({spec.policy}) on http://{host}:{port}/v1/completions")
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        # the app has no startup or shutdown work: without the lifespan task, a Ctrl-C
+        # as the server starts has nothing to cancel (uvicorn logged its CancelledError)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         server.run(sockets=[sock])
 
 
