@@ -22,7 +22,7 @@ from btb_lab.analysis.bootstrap import (
     unpaired_draws,
     value_draws,
 )
-from btb_lab.analysis.metrics import gpu_stats_from_means, latency_stat
+from btb_lab.analysis.metrics import gpu_stats_from_means, latency_stat, token_hit_rate
 from btb_lab.analysis.scopes import in_pool, variant_rows
 from btb_lab.config.metrics import METRICS, MetricDef
 
@@ -57,15 +57,7 @@ def _stat_for(metric: str) -> Stat:
 
         return ok_rate
     if definition.kind == "cache_hit_rate":
-
-        def hit_rate(rows: np.ndarray) -> float:
-            if len(rows) == 0:  # no request of the class (the resample of none is 1-wide)
-                return math.nan
-            rows = rows[~np.isnan(rows).any(axis=1)]
-            total = rows[:, 1].sum()
-            return float(rows[:, 0].sum() / total) if total > 0 else math.nan
-
-        return hit_rate
+        return token_hit_rate
     if definition.kind == "gpu":
         key = definition.statistic
 

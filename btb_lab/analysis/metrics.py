@@ -25,6 +25,7 @@ __all__ = [
     "latency_stat",
     "request_metrics",
     "summarize_variants",
+    "token_hit_rate",
 ]
 
 _LATENCY_METRICS: tuple[MetricDef, ...] = tuple(m for m in METRICS.values() if m.kind == "latency")
@@ -67,15 +68,22 @@ def request_metrics(frame: pd.DataFrame) -> RequestMetrics:
     )
 
 
-def _hit_rate(frame: pd.DataFrame) -> float | None:
-    """Cached over prompt tokens, on the requests whose both counts are known (the
-    verdict's `cache_hit_rate`); None without prompt tokens."""
-    if not len(frame) or not {"cached_tokens", "input_tokens"} <= set(frame.columns):
-        return None
-    pairs = frame[["cached_tokens", "input_tokens"]].to_numpy(dtype=float)
+def token_hit_rate(pairs: np.ndarray) -> float:
+    """`cache_hit_rate` of (cached, prompt) token rows: cached over prompt tokens of the
+    rows whose both counts are known; NaN without prompt tokens (or rows)."""
+    if len(pairs) == 0:  # no request of the class (a resample of none is 1-wide)
+        return math.nan
     pairs = pairs[~np.isnan(pairs).any(axis=1)]
     total = pairs[:, 1].sum()
-    return float(pairs[:, 0].sum() / total) if total > 0 else None
+    return float(pairs[:, 0].sum() / total) if total > 0 else math.nan
+
+
+def _hit_rate(frame: pd.DataFrame) -> float | None:
+    """`token_hit_rate` of a set of records, as the verdict pools it; None when undefined."""
+    if not {"cached_tokens", "input_tokens"} <= set(frame.columns):
+        return None
+    rate = token_hit_rate(frame[["cached_tokens", "input_tokens"]].to_numpy(dtype=float))
+    return None if math.isnan(rate) else rate
 
 
 def cache_stats(frame: pd.DataFrame) -> CacheStats:
