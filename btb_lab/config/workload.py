@@ -42,7 +42,8 @@ class RepeatVariation(StrictModel):
         ge=0,
         le=1e9,  # numpy's uniform draw overflows past ~9e307; 1e9 s is 31 years
         description="Move each arrival by a uniform draw in ±this many seconds (after "
-        "time_scale); a session's turns keep their order.",
+        "time_scale); a session's turns keep their order. Draws before 0 shift every "
+        "arrival later alike (none piles up at 0).",
     )
     resample_windows: bool = Field(
         False,

@@ -55,8 +55,10 @@ def resample_windows(requests: list[Request], rng: np.random.Generator) -> list[
 
 
 def jitter_arrivals(requests: list[Request], jitter_s: float, rng: np.random.Generator) -> None:
-    """Move every arrival by uniform(−jitter_s, +jitter_s), never below 0; within a session
-    the jittered times are handed out in the original turn order (in place)."""
+    """Move every arrival by uniform(−jitter_s, +jitter_s); within a session the jittered
+    times are handed out in the original turn order (in place). Where a draw falls before
+    0, every arrival moves later by the same amount: clipping at 0 would pile those
+    requests up at 0, a burst the trace does not have."""
     import numpy as np
 
     if jitter_s <= 0 or not requests:
@@ -64,7 +66,9 @@ def jitter_arrivals(requests: list[Request], jitter_s: float, rng: np.random.Gen
     moved = np.array([r.arrival_s for r in requests]) + rng.uniform(
         -jitter_s, jitter_s, len(requests)
     )
-    moved = np.maximum(moved, 0.0)
+    earliest = float(moved.min())
+    if earliest < 0:
+        moved -= earliest
     sessions: dict[str, list[int]] = {}
     for i, r in enumerate(requests):
         if r.session_id is not None:

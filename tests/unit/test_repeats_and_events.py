@@ -369,3 +369,18 @@ def test_jitter_keeps_session_turns_in_order() -> None:
     assert times == sorted(times)
     assert min(times) >= 0
     assert RepeatVariation(arrival_jitter_s=1.0).resample_windows is False
+
+
+def test_jitter_past_the_start_shifts_arrivals_instead_of_piling_them_at_zero() -> None:
+    # a jitter far larger than the trace: clipping at 0 put about half the requests at 0
+    requests = [
+        Request(request_id=f"r{i}", arrival_s=float(i), input_tokens=1, output_tokens=1)
+        for i in range(91)
+    ]
+    draws = np.random.default_rng(5).uniform(-1e6, 1e6, len(requests))
+    jitter_arrivals(requests, 1e6, np.random.default_rng(5))
+    times = np.array([r.arrival_s for r in requests])
+    assert (times == 0).sum() == 1 and times.min() == 0
+    # the gaps between jittered arrivals are the draws' own: one shift for all
+    expected = np.arange(91.0) + draws
+    np.testing.assert_allclose(times, expected - expected.min(), rtol=0, atol=1e-6)
