@@ -33,6 +33,7 @@ from btb_lab.cluster.telemetry import (
     nvml_available,
     scrape_all,
 )
+from btb_lab.config.launch import served_model_of
 from btb_lab.errors import UserError
 from btb_lab.records import EventRecord, Request
 from btb_lab.workload.sessions import session_gate
@@ -54,16 +55,10 @@ DEFAULT_VOCAB_SIZE = 32_000
 def resolve_served_model(hypothesis: Hypothesis) -> str:
     """The model vLLM serves: `cluster.launch.served_model` with `$VARS` expanded; a
     relative path that exists is made absolute (servers may run from elsewhere)."""
-    raw = hypothesis.cluster.launch.served_model
-    if raw is None:
-        if isinstance(hypothesis.model, str) and "/" in hypothesis.model:
-            raw = hypothesis.model
-        else:
-            raise UserError(
-                "cluster.launch.served_model: required for the cluster backend (a Hugging "
-                "Face name or a local model folder); the model preset "
-                f"{hypothesis.model!r} names no served checkpoint"
-            )
+    try:
+        raw = served_model_of(hypothesis.cluster.launch, hypothesis.model)
+    except ValueError as exc:
+        raise UserError(f"cluster.launch.served_model: {exc}") from None
     value = os.path.expandvars(raw)
     if "$" in value:
         raise UserError(f"cluster.launch.served_model: {raw!r} names an unset variable")

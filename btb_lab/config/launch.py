@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from btb_lab.config.base import StrictModel
 from btb_lab.config.limits import MIN_SAMPLE_INTERVAL_S
 
-__all__ = ["LaunchSettings", "RaySettings"]
+__all__ = ["LaunchSettings", "RaySettings", "served_model_of"]
 
 Role = Literal["C", "PS"]
 
@@ -144,3 +144,17 @@ class LaunchSettings(StrictModel):
         if self.backend == "ray" and self.gpu_pool is not None:
             raise ValueError("backend ray: Ray assigns the GPUs; remove gpu_pool")
         return self
+
+
+def served_model_of(launch: LaunchSettings, model: object) -> str:
+    """The model name vLLM serves, before `$VARS` are expanded: `served_model`, else a
+    model given as a checkpoint name (`org/name`). Raises ValueError naming what is
+    missing: a preset such as `llama-3.3-70b` names a shape, not weights."""
+    if launch.served_model is not None:
+        return launch.served_model
+    if isinstance(model, str) and "/" in model:
+        return model
+    raise ValueError(
+        "required for the cluster backend (a Hugging Face name or a local model folder); "
+        f"the model preset {model!r} names no served checkpoint"
+    )

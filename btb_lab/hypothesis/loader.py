@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from btb_lab.config.costs import CostSettings, ProfileRef, move_sim_aliases
 from btb_lab.config.hypothesis import ClusterSpec, Hypothesis
+from btb_lab.config.launch import served_model_of
 from btb_lab.config.metrics import METRICS
 from btb_lab.config.sim import SimSettings
 from btb_lab.config.variants import deep_merge, resolve_variant
@@ -310,6 +311,12 @@ def _semantic_problems(
 
     def add(path: PathKey, message: str) -> None:
         problems.append(f"{where(path)}: {_dotted(path)}: {message}")
+
+    if hyp.backend == "cluster":
+        try:
+            served_model_of(hyp.cluster.launch, hyp.model)
+        except ValueError as exc:
+            add(("cluster", "launch", "served_model"), str(exc))
 
     # policies and their parameters
     for name, variant in hyp.variants.items():

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from btb_lab.cli import app
 from btb_lab.cluster.backend import resolve_served_model, resolve_vocab_size
 from btb_lab.config.hypothesis import Hypothesis
-from btb_lab.errors import UserError
+from btb_lab.errors import UserError, ValidationFailed
+from btb_lab.hypothesis.loader import load_hypothesis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,3 +65,26 @@ def test_vocab_size_from_local_model_config(tmp_path: Path) -> None:
     assert resolve_vocab_size(hyp({}), str(tmp_path)) == 777
     assert resolve_vocab_size(hyp({"vocab_size": 99}), str(tmp_path)) == 99
     assert resolve_vocab_size(hyp({}), "org/remote") == 32_000
+
+
+def test_validation_refuses_a_cluster_hypothesis_with_no_served_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # caught by `validate`, not first by `run` or `router serve` after servers are planned
+    text = (
+        "id: c\ntitle: t\nclaim: c\nbackend: cluster\n"
+        "workload:\n  generator: {kind: poisson}\n"
+        "variants:\n  a: {router: {policy: least_load}}\nbaseline: a\n"
+        "verdict: {metric: ttft_p50}\ncluster:\n  launch: {host: 127.0.0.1}\n"
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValidationFailed) as info:
+        load_hypothesis(path)
+    assert info.value.problems == [
+        f"{path}:12: cluster.launch.served_model: required for the cluster backend (a "
+        "Hugging Face name or a local model folder); the model preset 'llama-3.3-70b' "
+        "names no served checkpoint"
+    ]
+    load_hypothesis(path, {"cluster.launch.served_model": "org/small"})
+    load_hypothesis(path, {"backend": "sim"})
