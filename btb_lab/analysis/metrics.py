@@ -9,6 +9,7 @@ stores). Latency statistics use successful requests only.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -189,10 +190,30 @@ def summarize_variants(
 
 
 def _failures(rows: pd.DataFrame, shown: int = 3) -> dict[str, int]:
-    """The most frequent errors of the failed requests (most first, ties by text): a
-    report says why requests failed, not only how many."""
+    """The most frequent kinds of error of the failed requests (most first, ties by text):
+    a report says why requests failed, not only how many. Errors that differ only in their
+    numbers are one kind, each differing number shown as its range ("needs 1000010–4000010
+    KV tokens; C0 holds 262144"), so one cause is not listed once per prompt size."""
     if not len(rows) or bool(rows["ok"].all()):
         return {}
     errors = rows.loc[~rows["ok"].astype(bool), "error"].fillna("no error recorded").astype(str)
-    counts = sorted(errors.value_counts().items(), key=lambda item: (-item[1], item[0]))
-    return {str(error): int(n) for error, n in counts[:shown]}
+    kinds: dict[tuple[str, ...], list[tuple[list[str], int]]] = {}
+    for text, n in errors.value_counts(sort=False).items():
+        kinds.setdefault(tuple(_NUMBER.split(text)), []).append((_NUMBER.findall(text), int(n)))
+    counts: dict[str, int] = {}
+    for parts, members in kinds.items():
+        slots = [_number_range([nums[i] for nums, _ in members]) for i in range(len(parts) - 1)]
+        text = "".join(part + slot for part, slot in zip(parts, [*slots, ""], strict=True))
+        counts[text] = sum(n for _, n in members)
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return dict(ranked[:shown])
+
+
+# a number standing alone (not inside a name such as `C0`)
+_NUMBER = re.compile(r"\b\d+(?:\.\d+)?\b")
+
+
+def _number_range(values: list[str]) -> str:
+    """One number slot of an error kind: the value, or `low–high` where it differs."""
+    low, high = min(values, key=float), max(values, key=float)
+    return low if float(low) == float(high) else f"{low}–{high}"

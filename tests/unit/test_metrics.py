@@ -159,3 +159,24 @@ def test_every_request_metric_has_a_value_overall_per_class_and_per_pool() -> No
     assert variant.value("cache_hit_rate", "pool:synthetic") == 1.0
     for metric in REQUEST_METRIC_NAMES:
         assert variant.value(metric) is not None, metric
+
+
+def test_failures_group_errors_that_differ_only_in_their_numbers() -> None:
+    from btb_lab.analysis.metrics import _failures
+
+    errors = [
+        *["needs 1000010 KV tokens; C0 holds 262144"] * 3,
+        "needs 4000010 KV tokens; C0 holds 262144",
+        "needs 2000010 KV tokens; C1 holds 262144",  # another instance: another cause
+        "timeout after 30 s",
+        None,
+        "HTTP 503: busy",
+    ]
+    rows = pd.DataFrame({"ok": [False] * len(errors) + [True], "error": [*errors, None]})
+    assert _failures(rows) == {
+        "needs 1000010–4000010 KV tokens; C0 holds 262144": 4,
+        "HTTP 503: busy": 1,  # ties by text
+        "needs 2000010 KV tokens; C1 holds 262144": 1,
+    }
+    assert _failures(rows, shown=10)["no error recorded"] == 1
+    assert _failures(rows.assign(ok=True)) == {}
