@@ -73,7 +73,8 @@ _ALL: tuple[MetricDef, ...] = (
     MetricDef("ok_rate", "OK rate", "ok_rate", "request", "ok", "mean", "fraction", True,
               "requests that completed without error or timeout / requests sent"),
     MetricDef("cache_hit_rate", "cache hit rate", "cache_hit_rate", "request", "cached_tokens",
-              "ratio", "fraction", True, "cached prompt tokens / prompt tokens"),
+              "ratio", "fraction", True, "cached prompt tokens / prompt tokens of the requests "
+              "sent (a failed request's prompt counts as uncached)"),
     MetricDef("gpu_imbalance", "GPU imbalance", "gpu", "gpu", None, "imbalance", "x", False,
               "max / min of per-GPU (sim: per-instance) mean utilization"),
     MetricDef("gpu_std", "GPU std", "gpu", "gpu", None, "std", "fraction", False,

@@ -90,10 +90,12 @@ def result_lines(summary: Summary, baseline: str) -> list[str]:
         cache = v.cache
         if cache.hit_rate is not None:
             median = cache.median_fraction or 0.0
+            failed = v.all.n - v.all.ok
             lines.append(
-                f"Cache hit: {cache.hit_rate * 100:.1f}% of tokens, "
+                f"Cache hit: {cache.hit_rate * 100:.1f}% of prompt tokens, "
                 f"{cache.requests_with_hit}/{v.all.n} requests, "
                 f"median per request {median * 100:.0f}%"
+                + (f" (the {failed} failed requests' prompts count as uncached)" if failed else "")
             )
         gpu = v.gpu
         if gpu.max is not None:

@@ -89,6 +89,8 @@ def test_the_report_says_why_requests_failed(tmp_path: Path) -> None:
     (line,) = [x for x in report.splitlines() if x.startswith("Failed: ")]
     assert line == f'Failed: 11 × "{error}"'
     assert "other errors" not in line
+    (cache,) = [x for x in report.splitlines() if x.startswith("Cache hit: ")]
+    assert cache.endswith("(the 11 failed requests' prompts count as uncached)")
     assert "OK=9/20" in report
 
 
