@@ -29,7 +29,13 @@ def serve(
     import uvicorn
 
     from btb_lab.cluster.backend import make_client, resolve_served_model
-    from btb_lab.cluster.launcher import Launcher, plan_endpoints, plan_instances, sigterm_raises
+    from btb_lab.cluster.launcher import (
+        Launcher,
+        http_url,
+        plan_endpoints,
+        plan_instances,
+        sigterm_raises,
+    )
     from btb_lab.cluster.proxy import build_proxy_app, make_router
     from btb_lab.config.variants import resolve_variant
     from btb_lab.errors import UserError
@@ -49,6 +55,12 @@ def serve(
     # Bind before launching anything: a port in use is one clear error, not a bind
     # failure after the instances started and the router said where it listens.
     sock = _listen(host, port)
+    if not _loopback(sock):
+        typer.echo(
+            f"warning: the router listens on {host}, reachable from other machines; it has "
+            "no authentication (the default --host 127.0.0.1 keeps it on this machine)",
+            err=True,
+        )
     with (
         sock,
         sigterm_raises(),
@@ -75,7 +87,7 @@ def serve(
         app = build_proxy_app(router, block_tokens=hyp.workload.block_tokens)
         for ep in endpoints:
             typer.echo(f"{ep.name} ({ep.role}) {ep.base_url}")
-        typer.echo(f"router ({spec.policy}) on http://{host}:{port}/v1/completions")
+        typer.echo(f"router ({spec.policy}) on {http_url(host, port)}/v1/completions")
         # the app has no startup or shutdown work: without the lifespan task, a Ctrl-C
         # as the server starts has nothing to cancel (uvicorn logged its CancelledError)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
@@ -98,6 +110,14 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def _loopback(sock: socket.socket) -> bool:
+    """Whether the bound socket is reachable from this machine only."""
+    import ipaddress
+
+    address = ipaddress.ip_address(sock.getsockname()[0].split("%")[0])
+    return address.is_loopback
 
 
 BENCH_MAX_S = 600  # the longest `router bench` (its requests at its rate)

@@ -37,6 +37,7 @@ __all__ = [
     "ProcessTree",
     "build_server_command",
     "free_port",
+    "http_url",
     "plan_endpoints",
     "plan_instances",
     "sigterm_raises",
@@ -82,17 +83,23 @@ class InstanceSpec:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def endpoint(self) -> Endpoint:
-        boot = None if self.bootstrap_port is None else f"http://{self.host}:{self.bootstrap_port}"
+        boot = None if self.bootstrap_port is None else http_url(self.host, self.bootstrap_port)
         return Endpoint(self.index, self.name, self.role, self.base_url, self.gpus, boot)
+
+
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 address in brackets (`http://[::1]:8000`)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def free_port(host: str = "127.0.0.1", *, avoid: set[int] | None = None) -> int:
     """A port the OS reports free right now (ports in `avoid` are skipped)."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6
     for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             port = int(sock.getsockname()[1])
         if avoid is None or port not in avoid:
@@ -266,7 +273,7 @@ def plan_endpoints(cluster: ClusterSpec) -> list[Endpoint]:
         boot = None
         if cluster.kv_connector.type == "mooncake":
             port = boots[i] if boots is not None else DEFAULT_BOOTSTRAP_PORT
-            boot = f"http://{urlsplit(url).hostname}:{port}"
+            boot = http_url(urlsplit(url).hostname or "", port)
         out.append(Endpoint(i, name, role, url, bootstrap_url=boot))
     return out
 

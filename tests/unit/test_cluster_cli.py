@@ -88,3 +88,20 @@ def test_validation_refuses_a_cluster_hypothesis_with_no_served_checkpoint(
     ]
     load_hypothesis(path, {"cluster.launch.served_model": "org/small"})
     load_hypothesis(path, {"backend": "sim"})
+
+
+def test_the_router_warns_only_when_it_listens_beyond_this_machine() -> None:
+    import socket
+
+    from btb_lab.cli.cluster import _listen, _loopback
+    from btb_lab.cluster.launcher import free_port, http_url
+
+    for host, loopback in [("127.0.0.1", True), ("localhost", True), ("0.0.0.0", False)]:
+        with _listen(host, 0) as sock:
+            assert _loopback(sock) is loopback, host
+    if socket.has_ipv6:
+        with _listen("::1", 0) as sock:
+            assert _loopback(sock)
+        assert free_port("::1") > 0  # instances on an IPv6 loopback get ports too
+    assert http_url("::1", 8000) == "http://[::1]:8000"
+    assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"

@@ -154,7 +154,7 @@ def test_endpoints_mode_names_roles_and_bootstrap() -> None:
             "instances": [{"role": "C", "count": 1}, {"role": "PS", "count": 1}],
             "kv_connector": {"type": "mooncake"},
             "launch": {
-                "endpoints": ["http://h1:8000/", "http://h2:8001"],
+                "endpoints": ["http://h1:8000/", "http://[::1]:8001"],
                 "bootstrap_ports": [9, 10],
             },
         }
@@ -162,7 +162,7 @@ def test_endpoints_mode_names_roles_and_bootstrap() -> None:
     eps = plan_endpoints(spec)
     assert [(e.name, e.role, e.base_url, e.bootstrap_url) for e in eps] == [
         ("C0", "C", "http://h1:8000", "http://h1:9"),
-        ("PS0", "PS", "http://h2:8001", "http://h2:10"),
+        ("PS0", "PS", "http://[::1]:8001", "http://[::1]:10"),  # an IPv6 host keeps brackets
     ]
 
 
