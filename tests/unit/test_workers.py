@@ -160,21 +160,27 @@ def test_a_stop_sent_to_the_parent_alone_stops_every_worker(sig: signal.Signals)
     assert [entry for entry in log if entry[0] == "done"] == [("done", None, "")] * 2
 
 
+def _stop_as_handlers_go_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a worker, call its stop handler the moment it is installed: as if a Ctrl-C to
+    the whole group arrived right after `signal.signal`."""
+    real, parent = signal.signal, os.getpid()
+
+    def landing(sig: int, handler: Any) -> Any:
+        previous = real(sig, handler)
+        if os.getpid() != parent and getattr(handler, "__name__", "") == "stop":
+            handler(sig, None)
+        return previous
+
+    monkeypatch.setattr(signal, "signal", landing)
+
+
 def test_a_stop_as_a_workers_handlers_go_in_is_answered_not_a_death(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A Ctrl-C to the whole group lands in a worker the moment its own handler is in
     place, before its work starts: the worker answers that it was interrupted (its run
     "interrupted"), it is not a worker that died without a word (a "failed" run)."""
-    real, parent = signal.signal, os.getpid()
-
-    def landing(sig: int, handler: Any) -> Any:
-        previous = real(sig, handler)
-        if os.getpid() != parent and getattr(handler, "__name__", "") == "stop":
-            handler(sig, None)  # as if the signal arrived right after this call
-        return previous
-
-    monkeypatch.setattr(signal, "signal", landing)
+    _stop_as_handlers_go_in(monkeypatch)
     log: list[Any] = []
     with pytest.raises(KeyboardInterrupt):
         workers.run_tasks([_task(lambda progress: "fine", log)], jobs=1)
@@ -405,15 +411,7 @@ def test_a_worker_stopped_before_its_run_began_is_an_interrupted_run(
 
         monkeypatch.setattr(runner, "_own_pages", stopped)
     else:
-        real = signal.signal
-
-        def landing(sig: int, handler: Any) -> Any:
-            previous = real(sig, handler)
-            if os.getpid() != parent and getattr(handler, "__name__", "") == "stop":
-                handler(sig, None)
-            return previous
-
-        monkeypatch.setattr(signal, "signal", landing)
+        _stop_as_handlers_go_in(monkeypatch)
     result = cli("run", write_small(tmp_path), "--no-progress", "--out", tmp_path / "run",
                  "--jobs", "2")  # fmt: skip
     assert result.code == 130, result.output
