@@ -287,7 +287,8 @@ def convert_cmd(
     "fetch",
     short_help="Download Hugging Face dataset rows, resumably.",
     help="Download dataset rows from the Hugging Face datasets-server API into JSONL, "
-    "resumably (rerun the same command to continue). " + TIME_HELP,
+    "resumably (rerun the same command to continue; a file holding other rows is "
+    "refused). " + TIME_HELP,
 )
 def fetch_cmd(
     dataset: str = typer.Argument(help="Dataset id, e.g. shreybirmiwal/Bursted-ART."),

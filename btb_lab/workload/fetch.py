@@ -3,7 +3,9 @@
 Uses the datasets-server `/rows` API (at most 100 rows per page). Rows are written one
 JSON object per line exactly as the dataset holds them (Bursted-ART and ART-Chat rows are
 already in their loader's schema). Rerunning the same command appends after the complete
-rows already in the file, so an interrupted download continues where it stopped.
+rows already in the file, so an interrupted download continues where it stopped; the
+file's last row is first compared with the source's row at that place, so a file holding
+another dataset, split or offset is refused instead of mixed into.
 """
 
 from __future__ import annotations
@@ -44,17 +46,18 @@ def count_complete_rows(path: Path) -> int:
     return _resumable(path)[0]
 
 
-def _resumable(path: Path) -> tuple[int, int]:
-    """(complete rows, bytes they take) of an earlier fetch into `path`; nothing is
-    changed here: a torn last line is cut only once new rows arrive. A file that is not
-    rows of JSON objects (a parquet trace, notes) is refused, never cut."""
+def _resumable(path: Path) -> tuple[int, int, dict[str, Any] | None]:
+    """(complete rows, bytes they take, the last of them) of an earlier fetch into `path`;
+    nothing is changed here: a torn last line is cut only once new rows arrive. A file
+    that is not rows of JSON objects (a parquet trace, notes) is refused, never cut."""
     if not path.exists():
-        return 0, 0
+        return 0, 0, None
     if not path.is_file():
         raise UserError(f"{path}: not a file; fetch into a new JSONL file")
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
     lines = [line for line in data[:keep].splitlines() if line.strip()]
+    row: Any = None
     for line in lines[:1] + lines[-1:]:
         try:
             row = json.loads(line)
@@ -67,7 +70,24 @@ def _resumable(path: Path) -> tuple[int, int]:
             )
     if data[keep:].strip() and not lines:
         raise UserError(f"{path}: exists and holds no complete row; fetch into a new file")
-    return len(lines), keep
+    return len(lines), keep, row
+
+
+def _check_same_source(
+    client: httpx.Client, dataset: str, config: str, split: str, index: int,
+    last: dict[str, Any], path: Path,
+) -> None:  # fmt: skip
+    """A resumed fetch continues the same rows: the file's last row must be row `index`
+    of this dataset, config and split (another source's rows, or another `--offset`,
+    would be mixed into one trace without a word)."""
+    page = _get_page(client, dataset, config, split, index, 1)
+    rows = [item.get("row") for item in page.get("rows", [])]
+    if rows[:1] != [last]:
+        raise UserError(
+            f"{path}: its last row is not row {index} of {dataset} (config {config!r}, "
+            f"split {split!r}): it holds another fetch (another dataset, split or "
+            "--offset); fetch into a new file, or resume with that fetch's options"
+        )
 
 
 def _get_page(
@@ -119,9 +139,11 @@ def fetch_rows(
     Resumes: rows already complete in `out` count as fetched, so paging starts after
     them. `on_progress(rows_in_file, target_rows)` is called after every page.
     """
-    existing, keep = _resumable(out)
+    existing, keep, last = _resumable(out)
     target = rows
     start = offset + existing
+    if last is not None and (target is None or existing < target):
+        _check_same_source(client, dataset, config, split, start - 1, last, out)
     fetched = 0
     total: int | None = None
     handle: Any = None  # opened once the first page is in: a failed fetch changes nothing

@@ -77,7 +77,8 @@ def test_resume_continues_after_complete_rows(tmp_path: Path) -> None:
     result = fetch_rows(RECORDED["dataset"], out, client=_client(handler), page_rows=2)
     assert result.existing_rows == 3
     assert result.fetched_rows == 2
-    assert handler.calls[0]["offset"] == "3"
+    # the file's last row checked against the source, then paging after it
+    assert [(c["offset"], c["length"]) for c in handler.calls[:2]] == [("2", "1"), ("3", "2")]
     assert count_complete_rows(out) == 5
     ids = [json.loads(line)["request_id"] for line in out.read_text().splitlines()]
     assert ids == ["r0", "r1", "r2", "r3", "r4"]
@@ -137,3 +138,22 @@ def test_a_file_that_is_not_an_earlier_fetch_is_refused_untouched(
     with pytest.raises(UserError, match=r"exists and (is not rows of JSON|holds no complete)"):
         fetch_rows(RECORDED["dataset"], out, client=_client(Recorded()))
     assert out.read_bytes() == content
+
+
+def test_a_resume_from_another_source_is_refused_untouched(tmp_path: Path) -> None:
+    # rows 0-2 fetched; resuming with --offset 1 would append rows 4.. after row 2
+    out = tmp_path / "resume.jsonl"
+    fetch_rows(RECORDED["dataset"], out, client=_client(Recorded()), rows=3, page_rows=2)
+    before = out.read_bytes()
+    with pytest.raises(UserError, match=r"its last row is not row 3 of .* another fetch"):
+        fetch_rows(RECORDED["dataset"], out, client=_client(Recorded()), offset=1)
+    other = tmp_path / "other.jsonl"  # rows of something else entirely
+    other.write_text('{"timestamp": 0, "input_length": 5}\n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"its last row is not row 0 of"):
+        fetch_rows(RECORDED["dataset"], other, client=_client(Recorded()))
+    assert out.read_bytes() == before
+    # the same options resume, and a file already holding every asked row asks nothing
+    assert fetch_rows(RECORDED["dataset"], out, client=_client(Recorded())).fetched_rows == 2
+    handler = Recorded()
+    assert fetch_rows(RECORDED["dataset"], out, client=_client(handler), rows=5).fetched_rows == 0
+    assert handler.calls == []
