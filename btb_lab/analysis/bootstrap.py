@@ -410,22 +410,28 @@ def _gpu_of_means(means: np.ndarray, statistic: str) -> np.ndarray:
 
 
 def _gpu_side(
-    units: Sequence[np.ndarray], mult: np.ndarray, rng: np.random.Generator
+    units: Sequence[np.ndarray], mult: np.ndarray, statistic: str, rng: np.random.Generator
 ) -> np.ndarray:
-    """Per-instance mean utilization per resample: time samples of each drawn repeat
-    drawn uniformly (as counts), then means over what was drawn."""
-    width = units[0].shape[1]
-    sums = np.zeros((mult.shape[0], width))
-    seen = np.zeros((mult.shape[0], width))
+    """The GPU statistic per resample: the time samples of each drawn repeat drawn
+    uniformly (as counts), the statistic of that repeat's per-instance means, then the
+    mean over the drawn repeats (one drawn twice counts twice). Per repeat, as
+    `point_value`: which instance runs hot changes between repeats."""
+    total = np.zeros(mult.shape[0])
+    weight = np.zeros(mult.shape[0])
     for r, u in enumerate(units):
         if not len(u):
             continue
         counts = _uniform_counts(mult[:, r] * len(u), len(u), rng).astype(float)
+        drawn = np.flatnonzero(mult[:, r] > 0)
         valid = ~np.isnan(u)
-        sums += counts @ np.where(valid, u, 0.0)
-        seen += counts @ valid.astype(float)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = (counts[drawn] @ np.where(valid, u, 0.0)) / (counts[drawn] @ valid)
+        stat = _gpu_of_means(means, statistic)
+        ok = np.isfinite(stat)
+        total[drawn[ok]] += stat[ok] * mult[drawn[ok], r]
+        weight[drawn[ok]] += mult[drawn[ok], r]
     with np.errstate(invalid="ignore", divide="ignore"):
-        return sums / seen
+        return total / weight
 
 
 def gpu_draws(
@@ -439,9 +445,10 @@ def gpu_draws(
 ) -> Draws | None:
     """GPU-balance draws (imbalance, std or max of per-instance means) over time samples
     (one time × instance matrix per repeat), vectorized through row counts; None when the
-    repeats' instance columns differ (the caller resamples row by row)."""
-    widths = {u.shape[1] for u in (*base_units, *var_units)}
-    if len(widths) != 1 or not base_units or not var_units:
+    repeats of one side have other instance columns (the caller resamples row by row)."""
+    if not base_units or not var_units:
+        return None
+    if len({u.shape[1] for u in base_units}) != 1 or len({u.shape[1] for u in var_units}) != 1:
         return None
     base_mult = _repeat_multiplicity([len(u) for u in base_units], samples, rng)
     pair_repeats = pair_repeats and len(base_units) == len(var_units)
@@ -450,8 +457,8 @@ def gpu_draws(
         if pair_repeats
         else _repeat_multiplicity([len(u) for u in var_units], samples, rng)
     )
-    b = _gpu_of_means(_gpu_side(base_units, base_mult, rng), statistic)
-    v = _gpu_of_means(_gpu_side(var_units, var_mult, rng), statistic)
+    b = _gpu_side(base_units, base_mult, statistic, rng)
+    v = _gpu_side(var_units, var_mult, statistic, rng)
     with np.errstate(invalid="ignore", divide="ignore"):
         change = (v - b) / b
     return Draws(change[np.isfinite(change) & (b != 0)], samples, "unpaired")
@@ -476,7 +483,7 @@ def value_draws(
         if len({u.shape[1] for u in units}) != 1:
             return np.empty(0)
         mult = _repeat_multiplicity(sizes, samples, rng)
-        out = _gpu_of_means(_gpu_side(units, mult, rng), statistic)
+        out = _gpu_side(units, mult, statistic, rng)
         return out[np.isfinite(out)]
     column = np.concatenate(units)
     if kind == "latency" and percentile is not None:

@@ -136,10 +136,16 @@ def units_by_repeat(
 
 
 def point_value(units: Sequence[np.ndarray], metric: str) -> float:
-    """The metric over all repeats pooled."""
+    """The metric over all repeats pooled; a GPU metric per repeat, then averaged: the
+    instances of two repeats are not the same GPUs running the same load (which one runs
+    hot changes), so pooling their samples by name would average the imbalance away."""
     if not units:
         return math.nan
-    return _stat_for(metric)(np.concatenate(units))
+    stat = _stat_for(metric)
+    if METRICS[metric].kind == "gpu":
+        values = [v for v in map(stat, units) if math.isfinite(v)]
+        return float(np.mean(values)) if values else math.nan
+    return stat(np.concatenate(units))
 
 
 def paired_units(

@@ -126,14 +126,26 @@ def gpu_stats_from_means(means: Sequence[float] | np.ndarray) -> GpuStats:
 
 
 def gpu_stats(util: pd.DataFrame) -> GpuStats:
-    """GPU (sim: instance) balance over one variant's utilization samples, all repeats."""
+    """GPU (sim: instance) balance of one variant: imbalance, std and max of each repeat's
+    per-instance means, averaged over the repeats (as the verdict's `point_value`: which
+    instance runs hot changes between repeats); `per_instance` over all repeats."""
     if util.empty:
         return GpuStats()
     keyed = util.assign(unit=util["instance"].astype(str) + "/" + util["device"].astype(str))
+    by_repeat = keyed.groupby(["repeat", "unit"], sort=True)["utilization"].mean()
+    repeats = [gpu_stats_from_means(m.to_numpy()) for _, m in by_repeat.groupby(level=0)]
+
+    def averaged(name: str) -> float | None:
+        values = [v for v in (getattr(s, name) for s in repeats) if v is not None]
+        return float(np.mean(values)) if values else None
+
     means = keyed.groupby("unit", sort=True)["utilization"].mean()
-    stats = gpu_stats_from_means(means.to_numpy())
-    stats.per_instance = {str(k): float(v) for k, v in means.items()}
-    return stats
+    return GpuStats(
+        imbalance=averaged("imbalance"),
+        std=averaged("std"),
+        max=averaged("max"),
+        per_instance={str(k): float(v) for k, v in means.items()},
+    )
 
 
 def _grouped_metrics(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from btb_lab.analysis.bootstrap import counts_percentile
 from btb_lab.analysis.intervals import paired_units
-from btb_lab.analysis.metrics import latency_stat
+from btb_lab.analysis.metrics import gpu_stats, latency_stat
 from btb_lab.analysis.verdict import evaluate_verdict
 from btb_lab.config.hypothesis import VerdictRule
 from btb_lab.records import derive_timings
@@ -188,6 +189,35 @@ def test_gpu_metric_from_utilization_samples() -> None:
                          variants=["base", "new"], seed=0)  # fmt: skip
     assert v.word == "VALIDATED"
     assert v.reason.startswith("GPU imbalance -")
+
+
+def test_gpu_imbalance_is_per_repeat_where_the_hot_instance_changes() -> None:
+    """Repeat 1 runs C0 hot, repeat 2 C1 (a new workload each): each repeat is 3× out of
+    balance. Pooled by instance name both would read 1.0×, and a balanced variant would
+    look no better."""
+
+    def level(var: str, rep: int, k: int) -> float:
+        if var == "new":
+            return 0.6
+        return 0.9 if k == rep else 0.3
+
+    util = pd.DataFrame([
+        {"variant": var, "repeat": rep, "time_s": float(t), "instance": f"C{k}",
+         "device": "sim", "utilization": level(var, rep, k) + 0.01 * (t % 3)}
+        for var in ("base", "new") for rep in range(2) for t in range(60) for k in range(2)
+    ])  # fmt: skip
+    frame = derive_timings(
+        pd.DataFrame(records("base", 1.0, repeats=2) + records("new", 1.0, seed=5, repeats=2))
+    )
+    gpu = gpu_stats(util[util["variant"] == "base"])  # the report's Result block
+    assert gpu.imbalance == pytest.approx(0.91 / 0.31, rel=0.01)
+    assert gpu.per_instance["C0/sim"] == pytest.approx(0.61)  # over both repeats
+    v = evaluate_verdict(frame, util, VerdictRule(metric="gpu_imbalance", min_effect=0.05),
+                         baseline="base", variants=["base", "new"], seed=0)  # fmt: skip
+    assert v.word == "VALIDATED"
+    primary = v.variants["new"].primary
+    assert primary.change == pytest.approx(1 / (0.91 / 0.31) - 1, rel=0.02)  # about -66%
+    assert primary.ci_high is not None and primary.ci_high < -0.5
 
 
 def test_undefined_gpu_imbalance_is_inconclusive_with_reason() -> None:
