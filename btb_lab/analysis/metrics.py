@@ -210,7 +210,8 @@ def _failures(rows: pd.DataFrame, shown: int = 3) -> dict[str, int]:
         return {}
     errors = rows.loc[~rows["ok"].astype(bool), "error"].fillna("no error recorded").astype(str)
     kinds: dict[tuple[str, ...], list[tuple[list[str], int]]] = {}
-    for text, n in errors.value_counts(sort=False).items():
+    for error, n in errors.value_counts(sort=False).items():
+        text = str(error)
         kinds.setdefault(tuple(_NUMBER.split(text)), []).append((_NUMBER.findall(text), int(n)))
     counts: dict[str, int] = {}
     for parts, members in kinds.items():
