@@ -48,6 +48,7 @@ from btb_lab.analysis.bootstrap import Draws
 from btb_lab.analysis.intervals import (
     change_draws,
     metric_units,
+    paired_units,
     paired_with_repeats,
     percentile_interval,
     point_value,
@@ -287,12 +288,14 @@ def _guard(
     records: pd.DataFrame, util: pd.DataFrame, guard: Guard, baseline: str, variant: str
 ) -> GuardResult:
     records = in_pool(records, guard.pool)
-    base = point_value(
-        metric_units(records, util, baseline, guard.metric, guard.klass), guard.metric
+    # the requests the primary reads: paired, a class scope the baseline's labels (a
+    # variant's own class may be other requests, and a guard on the primary's metric
+    # and class would contradict it)
+    units = paired_units(records, baseline, variant, guard.metric, guard.klass) or (
+        metric_units(records, util, baseline, guard.metric, guard.klass),
+        metric_units(records, util, variant, guard.metric, guard.klass),
     )
-    value = point_value(
-        metric_units(records, util, variant, guard.metric, guard.klass), guard.metric
-    )
+    base, value = (point_value(u, guard.metric) for u in units)
     worse: float | None
     if not (math.isfinite(base) and math.isfinite(value)):
         worse = None

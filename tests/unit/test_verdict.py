@@ -108,6 +108,27 @@ def test_a_guard_without_a_value_is_inconclusive_not_failed() -> None:
     assert "but a guard cannot be checked: OK rate (nope pool) undefined" in v.reason
 
 
+def test_a_class_guard_reads_the_requests_the_primary_reads() -> None:
+    """Classes follow cached tokens, which routing changes: the variant labels only 30 of
+    the baseline's 100 HEAVY requests HEAVY, and those 30 are its slow ones. A guard on
+    HEAVY read them alone (+50%) while the primary on HEAVY read all 100 (−50%): one
+    verdict, the same metric on the same class, both better and worse."""
+    rows = records("base", 1.0, seed=1, n=100, klass="HEAVY")
+    new = records("new", 0.5, seed=1, n=100, klass="WARM")
+    for row in new[:30]:  # the 30 it still labels HEAVY are 1.5x the baseline's
+        row.update({"class": "HEAVY", "first_token_s": row["first_token_s"] * 3,
+                    "finish_s": row["first_token_s"] * 3 + 1.0})  # fmt: skip
+    guard = {"metric": "ttft_p50", "class": "HEAVY", "max_worse": 0.05}
+    rule = VerdictRule.model_validate(
+        {"metric": "ttft_p50", "class": "HEAVY", "min_effect": 0.05, "guards": [guard]}
+    )
+    v = judge(rows + new, rule)
+    primary, (held,) = v.variants["new"].primary, v.variants["new"].guards
+    assert primary is not None and primary.change is not None and primary.change < -0.2
+    assert held.holds and held.worse_by == pytest.approx(primary.change)  # one reading
+    assert v.word == "VALIDATED"
+
+
 def test_guard_holding_keeps_validated() -> None:
     rule = VerdictRule(metric="ttft_p90", min_effect=0.05,
                        guards=[{"metric": "ok_rate", "max_worse": 0.01}])  # fmt: skip
