@@ -425,29 +425,29 @@ def _decide(
             verdict.word = VALIDATED
             verdict.reason = beyond + ("; guards hold" if guards else "")
         return verdict
-    if held and reversed_:
-        verdict.word = PARTIAL
-        parts = "; ".join(
+    # the declared classes are context here, not a way past the primary: their checks are
+    # unadjusted, and a class that holds cannot lift a claim the whole run does not show
+    split = ""
+    if held or reversed_:
+        told = "; ".join(
             _fmt_change(rule.metric, c) for c in per_class if c.scope in held + reversed_
         )
-        verdict.reason = (
-            f"{text}; holds for {', '.join(held)} but reverses for {', '.join(reversed_)}: {parts}"
-        )
-        return verdict
+        split = f" (per class, unadjusted: {told})"
     if primary.outcome == "straddles":
         verdict.word = INCONCLUSIVE
         verdict.reason = (
             f"{text}, straddles the {effect} minimum effect: the interval holds effects "
             "beyond it and short of it, so neither the claim nor its rejection is shown "
-            "(needs more repeats)"
+            f"(needs more repeats){split}"
         )
         return verdict
     verdict.reason = {
         "reversed": f"{text}, the opposite of the claimed {rule.direction}",
-        "noise": f"{text}, within noise: no effect of the {effect} minimum size",
+        "noise": f"{text}, within noise: the interval holds no change, so no effect of the "
+        f"{effect} minimum size is shown",
         "small": f"{text}, smaller than the {effect} minimum effect (the whole interval "
         "is short of it)",
-    }[primary.outcome]
+    }[primary.outcome] + split
     return verdict
 
 

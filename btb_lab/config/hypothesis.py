@@ -347,8 +347,9 @@ class VerdictRule(StrictModel):
     guards: list[Guard] = Field(default_factory=list, description="Must hold for VALIDATED.")
     per_class: list[str] = Field(
         default_factory=list,
-        description="Classes checked separately: a claim that holds for some and reverses "
-        "for others is PARTIALLY VALIDATED.",
+        description="Classes checked separately (unadjusted): a claim the whole run shows "
+        "that reverses for one of them is PARTIALLY VALIDATED; otherwise the verdict line "
+        "only reports them.",
     )
     confidence: float = Field(0.95, gt=0, lt=1, description="Bootstrap interval level.")
     bootstrap_samples: int = Field(
