@@ -313,6 +313,21 @@ def _guard(
     )  # fmt: skip
 
 
+def _fewer_ok(records: pd.DataFrame, util: pd.DataFrame, rule: VerdictRule, baseline: str,
+              variant: str) -> str:  # fmt: skip
+    """Latencies are of successful requests: where the variant completes fewer and no guard
+    weighs that, the verdict says so (its latencies may be of the easier requests)."""
+    if METRICS[rule.metric].kind != "latency" or any(g.metric == "ok_rate" for g in rule.guards):
+        return ""
+    ok = _guard(records, util, Guard.model_validate({"metric": "ok_rate", "max_worse": 0.01,
+                "class": rule.klass, "pool": rule.pool}), baseline, variant)  # fmt: skip
+    if ok.holds or ok.value is None or ok.baseline is None:
+        return ""
+    return (f"; note: {variant} completed {ok.value:.1%} of its requests, {baseline} "
+            f"{ok.baseline:.1%}, and latencies are of successful requests only (an ok_rate "
+            "guard weighs this)")  # fmt: skip
+
+
 def _guard_text(g: GuardResult) -> str:
     label = METRICS[g.metric].label + (f" ({g.klass})" if g.klass else "")
     if g.pool:
@@ -569,6 +584,7 @@ def _evaluate(
     _adjust(judged, rule)
     for v, j in judged.items():
         results[v] = _decide(*pairs[v], rule, baseline, v, seed, j.comparison)
+        results[v].reason += _fewer_ok(*pairs[v], rule, baseline, v)
     results = {v: results[v] for v in others}
     if incomplete:
         done = sorted(set(records["variant"].unique()) if len(records) else set())

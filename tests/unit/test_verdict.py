@@ -99,6 +99,23 @@ def test_guard_failure_is_partial() -> None:
     assert abs(guard.worse_by - 0.1) < 1e-9
 
 
+def test_a_latency_verdict_says_when_the_variant_completes_fewer_requests() -> None:
+    # 80% of the variant's requests fail: its latencies are of the 20% that finished
+    rows = records("base", 1.0, seed=1) + records("new", 0.6, seed=2, fail=240)
+    v = judge(rows, VerdictRule(metric="ttft_p90", min_effect=0.05, min_ok_requests=20))
+    assert v.word == "VALIDATED"
+    assert v.reason.endswith(
+        "; note: new completed 20.0% of its requests, base 100.0%, and latencies are of "
+        "successful requests only (an ok_rate guard weighs this)"
+    )
+    ok_guard = {"metric": "ok_rate", "max_worse": 0.01}  # the guard says it instead
+    v = judge(rows, VerdictRule(metric="ttft_p90", min_effect=0.05, min_ok_requests=20,
+                                guards=[ok_guard]))  # fmt: skip
+    assert v.word == "PARTIALLY VALIDATED" and "note:" not in v.reason
+    v = judge(records("base", 1.0, seed=1) + records("new", 0.6, seed=2, fail=3))
+    assert v.word == "VALIDATED" and "note:" not in v.reason  # 1 pt fewer: no note
+
+
 def test_a_guard_without_a_value_is_inconclusive_not_failed() -> None:
     # a guard on a pool no request is in: whether it holds is unknown (it read as failed,
     # PARTIALLY VALIDATED)
