@@ -190,6 +190,7 @@ class PSAlways(_Offload):
     """H2: every HEAVY prefill on a prefill service, the session's instance decodes."""
 
     name: ClassVar[str] = "ps_always"
+    needs_roles: ClassVar[tuple[str, ...]] = ("PS",)  # its HEAVY prefills go to one
 
     def _heavy(
         self,
@@ -207,6 +208,7 @@ class PSFlexD(_Offload):
     session (it now holds this turn's KV)."""
 
     name: ClassVar[str] = "ps_flexd"
+    needs_roles: ClassVar[tuple[str, ...]] = ("PS",)  # its HEAVY prefills go to one
 
     def _heavy(
         self,
@@ -225,6 +227,7 @@ class PSCost(_Offload):
     """H2: ps_always only when the modeled cost says the prefill service is cheaper."""
 
     name: ClassVar[str] = "ps_cost"
+    needs_roles: ClassVar[tuple[str, ...]] = ("PS",)  # its HEAVY prefills go to one
     Params: ClassVar[type[StrictModel]] = PSCostParams
 
     def __init__(self, params: StrictModel, *, seed: int = 0) -> None:

@@ -582,6 +582,19 @@ def test_pd_split_without_a_pool_it_needs_is_refused_at_validate(
     refused(cli("validate", path), f"{path}:{line}: variants.fast.router.policy: policy {needs}")
 
 
+@pytest.mark.parametrize("policy", ["ps_always", "ps_flexd", "ps_cost"])
+def test_a_prefill_service_policy_without_a_ps_instance_is_refused_at_validate(
+    tmp_path: Path, policy: str
+) -> None:
+    # validate and --dry-run said ok; the run ran the baseline, then failed mid-run
+    path = write_small(
+        tmp_path, **{"    router: {policy: round_robin}": f"    router: {{policy: {policy}}}"}
+    )
+    line = SMALL.splitlines().index("    router: {policy: round_robin}") + 1
+    needs = f"'{policy}' needs at least one instance with role PS in cluster.instances"
+    refused(cli("validate", path), f"{path}:{line}: variants.fast.router.policy: policy {needs}")
+
+
 def test_pd_split_with_both_pools_validates(tmp_path: Path) -> None:
     both = ONE_GROUP.replace("count: 2", "count: 1")
     path = write_small(tmp_path, **{ONE_GROUP: f"{both}\n{both.replace('role: C', 'role: PS')}"},
