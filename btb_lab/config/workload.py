@@ -48,7 +48,8 @@ class RepeatVariation(StrictModel):
     resample_windows: bool = Field(
         False,
         description="Replay windows (trace_ids) drawn with replacement, as many as the "
-        "trace has; a window drawn twice gets fresh request ids.",
+        "trace has; a window drawn twice gets fresh request ids, and new block ids for the "
+        "blocks no other window has (its copy does not find its own KV cached).",
     )
 
 

@@ -10,10 +10,13 @@ workload's. Pure and seeded: the same seed gives the same requests.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from btb_lab.config.workload import RepeatVariation
 from btb_lab.records import Request
+from btb_lab.workload.hashing import stable_hashes63
 
 if TYPE_CHECKING:  # numpy loads with the first workload drawn, not at validate time
     import numpy as np
@@ -23,7 +26,8 @@ __all__ = ["jitter_arrivals", "resample_windows", "vary_requests"]
 
 def resample_windows(requests: list[Request], rng: np.random.Generator) -> list[Request]:
     """As many windows (trace_ids) as there are, drawn with replacement, in drawn order;
-    the k-th copy of a window gets ids, sessions, groups and trace_id suffixed `~k`."""
+    the k-th copy of a window gets ids, sessions, groups and trace_id suffixed `~k`, and
+    new ids for the blocks no other window has (`_copied_blocks`)."""
     windows: dict[str, list[Request]] = {}
     for request in requests:
         windows.setdefault(request.trace_id, []).append(request)
@@ -33,6 +37,7 @@ def resample_windows(requests: list[Request], rng: np.random.Generator) -> list[
     drawn = rng.integers(0, len(names), len(names))
     seen: dict[str, int] = {}
     out: list[Request] = []
+    private: dict[str, set[int]] | None = None
     for index in drawn:
         name = names[int(index)]
         copy = seen.get(name, 0)
@@ -40,7 +45,10 @@ def resample_windows(requests: list[Request], rng: np.random.Generator) -> list[
         if copy == 0:
             out.extend(windows[name])
             continue
+        if private is None:
+            private = _private_blocks(windows)
         tag = f"~{copy}"
+        fresh = _copied_blocks(private[name], tag)
         for r in windows[name]:
             out.append(
                 dataclasses.replace(
@@ -49,9 +57,26 @@ def resample_windows(requests: list[Request], rng: np.random.Generator) -> list[
                     trace_id=r.trace_id + tag,
                     session_id=None if r.session_id is None else r.session_id + tag,
                     group_id=None if r.group_id is None else r.group_id + tag,
+                    block_hashes=tuple(map(fresh.get, r.block_hashes, r.block_hashes)),
                 )
             )
     return out
+
+
+def _private_blocks(windows: dict[str, list[Request]]) -> dict[str, set[int]]:
+    """Per window, the block ids no other window holds: its own prompts' content."""
+    held = {name: set().union(*(r.block_hashes for r in rows)) for name, rows in windows.items()}
+    count = Counter(itertools.chain.from_iterable(held.values()))
+    return {name: {h for h in ids if count[h] == 1} for name, ids in held.items()}
+
+
+def _copied_blocks(private: set[int], tag: str) -> dict[int, int]:
+    """New ids for a copy's own blocks (the same in every process: `stable_hashes63` of
+    the id and the copy's tag). A copy replayed with the original's ids would find its
+    twin's KV still cached and replay warm, a repeat that is not a new draw of the
+    workload; blocks other windows share (a common system prompt) keep their ids."""
+    ordered = sorted(private)
+    return dict(zip(ordered, stable_hashes63([f"{h}{tag}" for h in ordered]), strict=True))
 
 
 def jitter_arrivals(requests: list[Request], jitter_s: float, rng: np.random.Generator) -> None:

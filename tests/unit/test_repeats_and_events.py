@@ -358,6 +358,25 @@ def test_resampled_windows_are_drawn_with_replacement() -> None:
     assert {r.session_id for r in drawn[4:]} == {"A-s~1"}  # a copy is its own session
 
 
+def test_a_window_drawn_twice_gets_new_ids_for_its_own_blocks() -> None:
+    """The copy of A would find A's KV still cached and replay warm (a repeat whose
+    spread measures that, not the workload); block 7, which B has too (a shared system
+    prompt), keeps its id, so the copy still shares it as any window does."""
+    blocks = {"A": (7, 100, 101), "B": (7, 200), "C": (300, 301)}
+    requests = [Request(request_id=f"{w}-{i}", arrival_s=float(i), input_tokens=1024,
+                        output_tokens=1, trace_id=w, block_hashes=blocks[w][: 2 + i])
+                for w in ("A", "B", "C") for i in range(2)]  # fmt: skip
+    drawn = resample_windows(requests, np.random.default_rng(3))  # draws C, A, A
+    original, copy = drawn[2:4], drawn[4:]
+    assert [r.block_hashes for r in original] == [(7, 100), (7, 100, 101)]
+    first, second = copy[0].block_hashes, copy[1].block_hashes
+    assert first[0] == second[0] == 7  # shared with B: kept
+    assert second[:2] == first and len(set(second)) == 3  # the copy's own prefix sharing
+    assert not set(second[1:]) & {100, 101, 200, 300, 301}  # new ids for its own blocks
+    again = resample_windows(requests, np.random.default_rng(3))
+    assert [r.block_hashes for r in again] == [r.block_hashes for r in drawn]  # stable
+
+
 def test_jitter_keeps_session_turns_in_order() -> None:
     requests = [
         Request(request_id=f"t{t}", arrival_s=float(t) * 0.1, input_tokens=1, output_tokens=1,
