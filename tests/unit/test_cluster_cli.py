@@ -82,9 +82,11 @@ def test_validation_refuses_a_cluster_hypothesis_with_no_served_checkpoint(
     with pytest.raises(ValidationFailed) as info:
         load_hypothesis(path)
     assert info.value.problems == [
-        f"{path}:12: cluster.launch.served_model: required for the cluster backend (a "
-        "Hugging Face name or a local model folder); the model preset 'llama-3.3-70b' "
-        "names no served checkpoint"
+        (
+            f"{path}:12: cluster.launch.served_model: required for the cluster backend (a "
+            "Hugging Face name or a local model folder); the model preset 'llama-3.3-70b' "
+            "names no served checkpoint"
+        )
     ]
     load_hypothesis(path, {"cluster.launch.served_model": "org/small"})
     load_hypothesis(path, {"backend": "sim"})

@@ -111,9 +111,11 @@ def test_a_latency_verdict_says_when_the_variant_completes_fewer_requests() -> N
     ok_guard = {"metric": "ok_rate", "max_worse": 0.01}  # the guard says it instead
     v = judge(rows, VerdictRule(metric="ttft_p90", min_effect=0.05, min_ok_requests=20,
                                 guards=[ok_guard]))  # fmt: skip
-    assert v.word == "PARTIALLY VALIDATED" and "note:" not in v.reason
+    assert v.word == "PARTIALLY VALIDATED"
+    assert "note:" not in v.reason
     v = judge(records("base", 1.0, seed=1) + records("new", 0.6, seed=2, fail=3))
-    assert v.word == "VALIDATED" and "note:" not in v.reason  # 1 pt fewer: no note
+    assert v.word == "VALIDATED"
+    assert "note:" not in v.reason
 
 
 def test_a_guard_without_a_value_is_inconclusive_not_failed() -> None:
@@ -143,8 +145,11 @@ def test_a_class_guard_reads_the_requests_the_primary_reads() -> None:
     )
     v = judge(rows + new, rule)
     primary, (held,) = v.variants["new"].primary, v.variants["new"].guards
-    assert primary is not None and primary.change is not None and primary.change < -0.2
-    assert held.holds and held.worse_by == pytest.approx(primary.change)  # one reading
+    assert primary is not None
+    assert primary.change is not None
+    assert primary.change < -0.2
+    assert held.holds
+    assert held.worse_by == pytest.approx(primary.change)
     assert v.word == "VALIDATED"
 
 
@@ -213,7 +218,8 @@ def test_classes_that_split_cannot_lift_a_claim_the_run_does_not_show() -> None:
     rule = VerdictRule(metric="ttft_mean", min_effect=0.05, per_class=["A", "B"])
     v = judge(base + new, rule)
     primary = v.variants["new"].primary
-    assert primary is not None and primary.outcome != "holds"
+    assert primary is not None
+    assert primary.outcome != "holds"
     assert v.word in ("REJECTED", "INCONCLUSIVE")
     assert "(per class, unadjusted: A TTFTmean -60.0%" in v.reason
     assert "B TTFTmean +60.0%" in v.reason
@@ -273,7 +279,8 @@ def test_gpu_imbalance_is_per_repeat_where_the_hot_instance_changes() -> None:
     assert v.word == "VALIDATED"
     primary = v.variants["new"].primary
     assert primary.change == pytest.approx(1 / (0.91 / 0.31) - 1, rel=0.02)  # about -66%
-    assert primary.ci_high is not None and primary.ci_high < -0.5
+    assert primary.ci_high is not None
+    assert primary.ci_high < -0.5
 
 
 def test_undefined_gpu_imbalance_is_inconclusive_with_reason() -> None:
