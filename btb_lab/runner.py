@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from btb_lab import __version__, collector, workers
+from btb_lab.analysis.classes import assign_classes
 from btb_lab.backends import Backend, RunContext
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.limits import MAX_UTIL_SAMPLES
@@ -634,7 +635,8 @@ def _finish(
             entry.finished = entry.finished or _now()
     frames = None
     try:
-        frames = finalize_parquet(run_dir, plan.variants)
+        rules = plan.hypothesis.classes
+        frames = finalize_parquet(run_dir, plan.variants, lambda f: assign_classes(f, rules))
     except KeyboardInterrupt as exc:  # the parts hold every record; readers use them
         interrupted = interrupted or exc
     except OSError as exc:  # readers fall back to the parts

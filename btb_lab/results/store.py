@@ -18,7 +18,7 @@ import json
 import operator
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, TextIO
 
@@ -348,12 +348,20 @@ _STORED = (
 )
 
 
-def finalize_parquet(run_dir: Path, variant_order: list[str] | None = None) -> StoredFrames:
+def finalize_parquet(
+    run_dir: Path,
+    variant_order: list[str] | None = None,
+    classify: Callable[[pd.DataFrame], pd.Series] | None = None,
+) -> StoredFrames:
     """Convert the record, utilization and event parts into `requests.parquet`,
-    `utilization.parquet` and `events.parquet`; returns what was written."""
+    `utilization.parquet` and `events.parquet`; returns what was written. `classify`:
+    the records' final classes (the hypothesis's rules), stored in their `class` column,
+    so a reader of the file groups by the classes the report shows."""
     written = []
     for kind, typed, name in _STORED:
         frame = typed(read_parts(run_dir, kind, variant_order), variant_order)
+        if kind == "requests" and classify is not None and len(frame):
+            frame["class"] = classify(frame)
         _write_parquet(frame, run_dir / name)
         written.append(frame if _round_trips(frame) else None)
     import pyarrow as pa

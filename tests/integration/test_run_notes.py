@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
+
 from tests.helpers import cli, write_small
 
 TRACE = "  trace: {path: t.jsonl, format: mooncake, skip_bad_rows: true}\n  block_tokens: 512"
@@ -84,7 +86,8 @@ def test_the_report_says_why_requests_failed(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "run" / "summary.json").read_text(encoding="utf-8"))
     failures = summary["variants"]["base"]["failures"]
     ((error, n),) = failures.items()
-    assert n == 11 and error.startswith("needs 1000010–4000010 KV tokens; C0 holds ")
+    assert n == 11
+    assert error.startswith("needs 1000010–4000010 KV tokens; C0 holds ")
     report = (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
     (line,) = [x for x in report.splitlines() if x.startswith("Failed: ")]
     assert line == f'Failed: 11 × "{error}"'
@@ -114,3 +117,18 @@ def test_the_report_gives_each_variants_verdict(tmp_path: Path) -> None:
     result = cli("run", single, "--out", tmp_path / "one", "--no-progress")
     assert result.code == 0, result.output
     assert "Each variant" not in (tmp_path / "one" / "report.md").read_text(encoding="utf-8")
+
+
+def test_the_stored_records_carry_the_classes_the_report_shows(tmp_path: Path) -> None:
+    # the `class` column held only the workload's own label: empty for most traces, and
+    # a reader grouping requests.parquet by class got one empty group
+    result = cli("run", write_small(tmp_path), "--out", tmp_path / "run", "--no-progress")
+    assert result.code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "run" / "requests.parquet")
+    expected = frame["input_tokens"].map(lambda n: "LONG" if n >= 4000 else "SHORT")
+    assert frame["class"].tolist() == expected.tolist()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(encoding="utf-8"))
+    for variant, rows in frame.groupby("variant"):
+        counts = rows["class"].value_counts().to_dict()
+        shown = summary["variants"][variant]["classes"]
+        assert counts == {name: shown[name]["n"] for name in counts}
