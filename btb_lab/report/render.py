@@ -399,6 +399,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         "fidelity": [f"{k}={v}" for k, v in fidelity.items()],
         "calibration": calibration_text(summary.fidelity),
         "aliases": manifest.aliases,
+        "run_options": manifest.run_options(),
         "notes": manifest.notes,
         "per_variant_fidelity": [
             f"{name}: " + ", ".join(f"{k}={v}" for k, v in diff.items())

@@ -138,15 +138,24 @@ class Manifest(_Stored):
             reasons.append("interrupted")
         elif not self.complete:
             reasons.append("incomplete" if self.finished else "never finished (killed?)")
+        return reasons + self.run_options()
+
+    def run_options(self) -> list[str]:
+        """The command-line options that made the run other than its file says (`--set`,
+        `--requests`, `--repeats`, `--time-scale`, `--variants`)."""
         options = self.cli.get("options") or {}
-        if options.get("overrides"):
-            reasons.append("--set " + ", ".join(sorted(options["overrides"])))
+        shown: list[str] = []
+        overrides = options.get("overrides")
+        if isinstance(overrides, dict) and overrides:
+            shown.append("--set " + ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())))
+        elif overrides:
+            shown.append("--set " + ", ".join(sorted(overrides)))
         for name in _PARTIAL_OPTIONS:
             value = options.get(name)
             if value not in (None, [], ""):
-                shown = ",".join(map(str, value)) if isinstance(value, list) else value
-                reasons.append(f"--{name.replace('_', '-')} {shown}")
-        return reasons
+                text = ",".join(map(str, value)) if isinstance(value, list) else value
+                shown.append(f"--{name.replace('_', '-')} {text}")
+        return shown
 
     @property
     def is_full_run(self) -> bool:

@@ -132,3 +132,19 @@ def test_the_stored_records_carry_the_classes_the_report_shows(tmp_path: Path) -
         counts = rows["class"].value_counts().to_dict()
         shown = summary["variants"][variant]["classes"]
         assert counts == {name: shown[name]["n"] for name in counts}
+
+
+def test_the_report_says_which_options_changed_the_files_settings(tmp_path: Path) -> None:
+    # the decision rule showed the overridden metric with nothing saying the file had
+    # another; a log entry of such a run read as the file's
+    result = cli("run", write_small(tmp_path), "--out", tmp_path / "run", "--no-progress",
+                 "--set", "verdict.metric=ttft_p50", "--requests", "40")  # fmt: skip
+    assert result.code == 0, result.output
+    report = (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
+    assert (
+        "- Run with options that change the file's settings: --set verdict.metric=ttft_p50; "
+        "--requests 40\n" in report
+    )
+    plain = cli("run", write_small(tmp_path), "--out", tmp_path / "plain", "--no-progress")
+    assert plain.code == 0, plain.output
+    assert "options that change" not in (tmp_path / "plain" / "report.md").read_text()
