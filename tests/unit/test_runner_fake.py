@@ -319,7 +319,7 @@ def test_a_stop_after_every_variant_run_ended_leaves_a_complete_run(
 
     EFFECTS["fast"] = 0.5
 
-    def stopped(run_dir: Path, variants: list[str] | None = None) -> None:
+    def stopped(run_dir: Path, *args: object) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "finalize_parquet", stopped)
