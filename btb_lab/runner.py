@@ -746,8 +746,9 @@ def _repeats_needed(
         return auto.min
     if done >= auto.max or manifest.failed_variants:
         return done
+    from btb_lab.analysis.repeats import distinct_repeats
     from btb_lab.analysis.summary import measured_frames
-    from btb_lab.analysis.verdict import distinct_repeats, evaluate_verdict
+    from btb_lab.analysis.verdict import evaluate_verdict
     from btb_lab.results import read_records, read_utilization
 
     records, util, _ = measured_frames(
