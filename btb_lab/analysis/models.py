@@ -187,6 +187,7 @@ class Comparison(_Stored):
     ci_high: float | None = None
     level: float | None = None  # confidence level of [ci_low, ci_high] (after adjustment)
     outcome: Outcome
+    # the requests the metric is over: successful ones (sent ones for OK rate)
     ok_baseline: int = 0
     ok_variant: int = 0
     paired: bool = False  # the bootstrap resampled the same request ids for both variants

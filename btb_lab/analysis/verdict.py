@@ -239,7 +239,9 @@ def _compare(
             ]
         elif klass is not None:
             rows = rows[rows["class"] == klass]
-        return int(rows["ok"].astype(bool).sum())
+        # OK rate is over the requests sent: a variant failing them all is an answer
+        ok = rows["ok"].astype(bool)
+        return len(rows) if METRICS[metric].kind == "ok_rate" else int(ok.sum())
 
     comparison = Comparison(
         scope=klass or "all",
@@ -374,9 +376,13 @@ def _decide(
                 f"run's pools (request sources): {pools}",
             )  # fmt: skip
     if min(primary.ok_baseline, primary.ok_variant) < rule.min_ok_requests:
+        counted = (  # OK rate is over the requests sent
+            f"{scope} requests sent" if METRICS[rule.metric].kind == "ok_rate"
+            else f" successful{scope} requests"
+        )  # fmt: skip
         return VariantVerdict(
             variant=variant, word=INCONCLUSIVE, primary=primary,
-            reason=f"too few successful{scope} requests: {primary.ok_variant} for {variant}, "
+            reason=f"too few{counted}: {primary.ok_variant} for {variant}, "
             f"{primary.ok_baseline} for {baseline} (need {rule.min_ok_requests})",
         )  # fmt: skip
     text = f"{_fmt_change(rule.metric, primary)} {tag}"

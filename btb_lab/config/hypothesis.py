@@ -360,7 +360,10 @@ class VerdictRule(StrictModel):
         "gives a stable interval and each resample recomputes the metric).",
     )
     min_ok_requests: int = Field(
-        20, ge=1, description="Fewer successful requests per variant → INCONCLUSIVE."
+        20,
+        ge=1,
+        description="Fewer successful requests per variant → INCONCLUSIVE (for ok_rate: "
+        "fewer requests sent).",
     )
 
     @model_validator(mode="after")

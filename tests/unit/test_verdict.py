@@ -176,7 +176,8 @@ def test_a_class_no_request_has_is_inconclusive_for_every_kind_of_metric() -> No
             rule = VerdictRule.model_validate({"metric": metric, "class": "NEXT"})
             v = judge(rows if shared_ids else unpaired(rows), rule)
             assert v.word == "INCONCLUSIVE", (metric, shared_ids, v.reason)
-            assert "too few successful NEXT requests: 0 for new, 0 for base" in v.reason
+            counted = "NEXT requests sent" if metric == "ok_rate" else "successful NEXT requests"
+            assert f"too few {counted}: 0 for new, 0 for base" in v.reason
 
 
 def test_failed_run_is_inconclusive() -> None:
@@ -493,3 +494,17 @@ def test_an_interrupted_variant_is_compared_on_the_gpu_time_both_covered() -> No
     primary = v.variants["new"].primary
     assert primary.change == 0.0  # the same samples over the same 21 s
     assert "GPU samples up to the time both covered" in v.reason
+
+
+def test_an_ok_rate_claim_counts_the_requests_sent_not_the_successful_ones() -> None:
+    # the variant fails every request: for latencies too few successful requests, but
+    # for a claim on the OK rate that is the answer (it was INCONCLUSIVE, "too few")
+    rows = records("base", 1.0, seed=1) + records("new", 1.0, seed=2, fail=300)
+    rule = VerdictRule(metric="ok_rate", direction="increase", min_effect=0.05)
+    v = judge(rows, rule)
+    assert v.word == "REJECTED"
+    assert "OK rate" in v.reason
+    assert "the opposite of the claimed increase" in v.reason
+    latency = judge(rows, VerdictRule(metric="ttft_p90", min_effect=0.05))
+    assert latency.word == "INCONCLUSIVE"
+    assert latency.reason.startswith("too few successful requests: 0 for new, 300 for base")
