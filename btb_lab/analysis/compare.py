@@ -26,6 +26,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
 from btb_lab.analysis.metrics import latency_stat
+from btb_lab.analysis.scopes import in_pool
 from btb_lab.analysis.summary import AnalyzedRun, analyze_run
 from btb_lab.config.hypothesis import Hypothesis
 from btb_lab.config.metrics import METRICS
@@ -103,6 +104,8 @@ class Comparison(_Model):
     reference_runs: list[str]
     model_runs: list[str]
     primary_metric: str
+    # the requests the ranking is over: the verdict's class and / or pool ("all": every one)
+    ranking_scope: str = "all"
     gaps: list[MetricGap]
     verdicts: list[VerdictAgreement]
     # variants best first, of those with a value on both sides; None: fewer than two
@@ -264,10 +267,13 @@ def _spread(values: Sequence[float]) -> float | None:
 
 
 def _scores(
-    frames: Sequence[pd.DataFrame], variants: Sequence[str], metric: str
-) -> dict[str, float]:
-    """`metric` over all requests of each variant that has a value."""
-    values = {v: _values(frames, v, "all", metric)[0] for v in variants}
+    frames: Sequence[pd.DataFrame], variants: Sequence[str], metric: str, scope: str,
+    pool: str | None,
+) -> dict[str, float]:  # fmt: skip
+    """`metric` over the requests of `scope` (a class, or "all") and `pool` of each
+    variant that has a value: the requests the verdict judges."""
+    frames = [in_pool(frame, pool) for frame in frames]
+    values = {v: _values(frames, v, scope, metric)[0] for v in variants}
     return {v: value for v, value in values.items() if math.isfinite(value)}
 
 
@@ -367,6 +373,12 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
     verdicts = []
     ref_verdict = reference[0].analyzed.verdict
     mod_verdict = model[0].analyzed.verdict
+    for side in (reference, model):  # a side's own runs that disagree: said, not hidden
+        words = {str(r.run_dir): r.analyzed.verdict.word for r in side}
+        if len(set(words.values())) > 1:
+            shown = ", ".join(f"{run} {word}" for run, word in words.items())
+            warnings.append(f"the runs of one side reach different verdicts ({shown}); the "
+                            f"verdict agreement is {side[0].run_dir}'s")  # fmt: skip
     for variant in variants:
         if variant == hyp.baseline:
             continue
@@ -376,17 +388,18 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
         wb = b.word if b else None
         verdicts.append(VerdictAgreement(variant=variant, reference=wa, model=wb,
                                          agrees=wa == wb))  # fmt: skip
-    primary = hyp.verdict.metric
+    primary, direction = hyp.verdict.metric, hyp.verdict.direction
     if METRICS[primary].kind != "latency":
-        primary = "ttft_p50"
+        primary, direction = "ttft_p50", "decrease"  # a latency: lower is better
         warnings.append(f"ranking by ttft_p50: the primary metric {hyp.verdict.metric} is not a "
                         "latency compare computes")  # fmt: skip
-    ref_scores = _scores(ref_frames, variants, primary)
-    mod_scores = _scores(model_frames, variants, primary)
+    scope, pool = hyp.verdict.klass or "all", hyp.verdict.pool
+    ref_scores = _scores(ref_frames, variants, primary, scope, pool)
+    mod_scores = _scores(model_frames, variants, primary, scope, pool)
     # a ranking sets variants side by side: only those with a value on both sides
     ranked = [v for v in variants if v in ref_scores and v in mod_scores]
-    ref_rank = _ranking(ref_scores, ranked, hyp.verdict.direction)
-    mod_rank = _ranking(mod_scores, ranked, hyp.verdict.direction)
+    ref_rank = _ranking(ref_scores, ranked, direction)
+    mod_rank = _ranking(mod_scores, ranked, direction)
     if len(ranked) < len(variants) and len(variants) > 1:
         missing = ", ".join(v for v in variants if v not in ranked)
         warnings.append(f"ranking without {missing}: no {primary} on both sides")
@@ -398,6 +411,10 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
         reference_runs=[str(r.run_dir) for r in reference],
         model_runs=[str(r.run_dir) for r in model],
         primary_metric=primary,
+        ranking_scope=" ".join(
+            [*([] if scope == "all" else [scope]), *([] if pool is None else [f"{pool} pool"])]
+        )
+        or "all",
         gaps=gaps,
         verdicts=verdicts,
         reference_ranking=ref_rank,

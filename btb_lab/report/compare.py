@@ -126,7 +126,8 @@ def write_comparison(run_dirs: list[Path], out_dir: Path, *, force: bool = False
             for variant, errors in summary_errors(comparison).items()
         ],
         "rows": _rows(comparison),
-        "primary_label": METRICS[comparison.primary_metric].label,
+        "primary_label": METRICS[comparison.primary_metric].label
+        + ("" if comparison.ranking_scope == "all" else f" ({comparison.ranking_scope})"),
         "plots": _cdf_plots(comparison, runs, out_dir),
         "offsets": [
             {"run": Path(o.run).name, "variant": o.variant, "repeat": o.repeat + 1,

@@ -172,3 +172,56 @@ def test_runs_judged_by_another_verdict_rule_are_compared_with_a_warning(
     said = f"{model} judges by another verdict rule than {real} (verdict.metric differ)"
     assert any(said in w for w in c.warnings), c.warnings
     assert c.gap("base", "ttft_p90").error == pytest.approx(0.25)  # the numbers still compare
+
+
+def _rule(run_dir: Path, **verdict: object) -> None:
+    manifest = Manifest.load(run_dir)
+    manifest.hypothesis["verdict"].update(verdict)
+    manifest.save(run_dir)
+
+
+def test_the_ranking_is_over_the_requests_the_verdict_judges(
+    pair: tuple[Path, Path],
+) -> None:
+    """In the model run `fast` is slower than `base` on SHORT requests alone (a fifth of
+    them: the median over every request keeps `fast` first). A verdict on SHORT must
+    rank by SHORT: it ranked by every request, and said "same order" here, or "different
+    order" where SHORT ranks alike."""
+    real, model = pair
+    frame = pd.read_parquet(model / "requests.parquet")
+    slow = (frame["variant"] == "fast") & (frame["input_tokens"] < 4000)
+    assert 0 < slow.sum() < (frame["variant"] == "fast").sum() / 4
+    frame.loc[slow, ["first_token_s", "finish_s"]] += 30.0
+    frame.to_parquet(model / "requests.parquet", index=False)
+    for run in (real, model):
+        _rule(run, metric="ttft_p50")
+    everything = compare_runs([real, model])
+    assert everything.reference_ranking == everything.model_ranking == ["fast", "base"]
+    for run in (real, model):
+        _rule(run, **{"class": "SHORT"})
+    short = compare_runs([real, model])
+    assert short.ranking_scope == "SHORT"
+    assert (short.reference_ranking, short.model_ranking) == (["fast", "base"], ["base", "fast"])
+    assert short.same_ranking is False
+
+
+def test_a_fallback_ranking_is_by_latency_lower_first(pair: tuple[Path, Path]) -> None:
+    # the claimed `increase` of a cache-hit claim listed the slowest variant as best
+    real, model = pair
+    for run in (real, model):
+        _rule(run, metric="cache_hit_rate", direction="increase")
+    c = compare_runs([real, model])
+    assert c.primary_metric == "ttft_p50"
+    assert c.reference_ranking == c.model_ranking == ["fast", "base"]
+
+
+def test_runs_of_one_side_that_reach_other_verdicts_are_said(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # the agreement was the first model run's alone: the answer hung on argument order
+    real, model = pair
+    EFFECTS.update({"base": 1.0, "fast": 1.0})
+    same = run_fake(tmp_path, out="same").run_dir
+    c = compare_runs([real, model, same])
+    said = f"the runs of one side reach different verdicts ({model} VALIDATED, {same} "
+    assert any(w.startswith(said) for w in c.warnings), c.warnings
