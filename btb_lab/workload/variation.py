@@ -94,10 +94,12 @@ def jitter_arrivals(requests: list[Request], jitter_s: float, rng: np.random.Gen
     earliest = float(moved.min())
     if earliest < 0:
         moved -= earliest
-    sessions: dict[str, list[int]] = {}
+    # a session is per window, as the loaders and the session gate key it: two windows
+    # may both have an `s1`, and one session's times must not cross into another window
+    sessions: dict[tuple[str, str], list[int]] = {}
     for i, r in enumerate(requests):
         if r.session_id is not None:
-            sessions.setdefault(r.session_id, []).append(i)
+            sessions.setdefault((r.trace_id, r.session_id), []).append(i)
     for i, r in enumerate(requests):
         r.arrival_s = float(moved[i])
     for members in sessions.values():

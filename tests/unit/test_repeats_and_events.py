@@ -405,3 +405,17 @@ def test_jitter_past_the_start_shifts_arrivals_instead_of_piling_them_at_zero() 
     # the gaps between jittered arrivals are the draws' own: one shift for all
     expected = np.arange(91.0) + draws
     np.testing.assert_allclose(times, expected - expected.min(), rtol=0, atol=1e-6)
+
+
+def test_jitter_keeps_each_windows_sessions_in_their_window() -> None:
+    # windows A and B both have a session `s1` (ids are per window): a 1 s jitter handed
+    # A's second turn B's time, about 100 s later
+    requests = [
+        Request(request_id=f"{w}{t}", arrival_s=base + 10.0 * (t - 1), input_tokens=1,
+                output_tokens=1, trace_id=w, session_id="s1", turn=t)
+        for w, base in (("A", 0.0), ("B", 110.0)) for t in (1, 2)
+    ]  # fmt: skip
+    jitter_arrivals(requests, 1.0, np.random.default_rng(0))
+    moved = {r.request_id: r.arrival_s for r in requests}
+    for rid, original in (("A1", 0.0), ("A2", 10.0), ("B1", 110.0), ("B2", 120.0)):
+        assert abs(moved[rid] - original) <= 2.0, (rid, moved)
