@@ -52,16 +52,17 @@ def _check_new_output(out: Path, force: bool) -> None:
 
 
 def _load(
-    path: Path, fmt: str, block_tokens: int, skip_bad_rows: bool, time_scale: float
+    path: Path, fmt: str, block_tokens: int, skip_bad_rows: bool, time_scale: float | None
 ) -> tuple[str, LoadedTrace]:
-    """The trace with its format's name; a trace with no requests is refused as
-    auto-detection refuses it, whichever format was named (statistics of nothing would
-    only hide a wrong file or format)."""
+    """The trace with its format's name, its arrivals as a replay at `time_scale` lays
+    them out (None: as stored); a trace with no requests is refused as auto-detection
+    refuses it, whichever format was named (statistics of nothing would only hide a
+    wrong file or format)."""
     from btb_lab.workload.formats import detect_format, load_trace
     from btb_lab.workload.loader import apply_time_scale
     from btb_lab.workload.trace_checks import check_block_tokens
 
-    if not math.isfinite(time_scale) or time_scale <= 0:
+    if time_scale is not None and (not math.isfinite(time_scale) or time_scale <= 0):
         raise UserError(f"--time-scale must be a finite number > 0 (got {time_scale:g})")
     check_block_tokens(block_tokens, "--block-tokens")
     name = detect_format(path) if fmt == "auto" else fmt
@@ -76,11 +77,14 @@ def _load(
                 f"{path}: trace has no requests ({len(loaded.bad_rows)} malformed rows skipped)"
             )
         raise UserError(f"{path}: trace file is empty")
-    if time_scale != 1.0:
-        loaded.requests = apply_time_scale(loaded.requests, time_scale)
-        if not all(math.isfinite(r.arrival_s) for r in loaded.requests):
-            raise UserError(f"--time-scale {time_scale:g}: arrival times overflow to infinity; "
-                            "use a smaller value")  # fmt: skip
+    if time_scale is None:
+        return name, loaded
+    # as a replay lays them out, at every scale (1 too): each window re-based to its
+    # first request, the windows one after another, not on top of one another
+    loaded.requests = apply_time_scale(loaded.requests, time_scale)
+    if not all(math.isfinite(r.arrival_s) for r in loaded.requests):
+        raise UserError(f"--time-scale {time_scale:g}: arrival times overflow to infinity; "
+                        "use a smaller value")  # fmt: skip
     return name, loaded
 
 
@@ -249,7 +253,7 @@ def convert_cmd(
     _check_new_output(out, force)
     # One token per block: every id count passes the loader's check here; a run checks
     # the ids against its own block size when it loads the converted file.
-    _, loaded = _load(path, fmt, 1, skip_bad_rows, 1.0)
+    _, loaded = _load(path, fmt, 1, skip_bad_rows, None)
     import tempfile
 
     # a name of its own beside the output (never the source's, nor an earlier one's);

@@ -730,3 +730,16 @@ def test_the_sampling_limit_message_writes_huge_counts_short(tmp_path: Path) -> 
     result = cli("run", path, "--no-progress", "--out", tmp_path / "out")
     refused(result, "e+30", "utilization samples, more than the limit of 10,000,000")
     assert "000,000,000,000,000,000" not in result.output
+
+
+def test_inspect_lays_windows_out_as_a_replay_does_at_the_default_scale(
+    tmp_path: Path,
+) -> None:
+    # at --time-scale 1 the windows sat on top of one another at their raw times: span
+    # and rate described no replay (10 windows: 10× the rate), and 1.0001 gave the replay's
+    trace = tmp_path / "b.jsonl"
+    assert cli("trace", "generate", "bursted", "-o", trace, "-p", "windows=4").code == 0
+    at_one = json.loads(cli("trace", "inspect", trace, "--json").output)
+    nudged = json.loads(cli("trace", "inspect", trace, "--json", "--time-scale", "1.000001").output)
+    assert at_one["span_s"] == pytest.approx(nudged["span_s"], rel=1e-5)
+    assert at_one["arrival_rate_per_s"] == pytest.approx(nudged["arrival_rate_per_s"], rel=1e-5)
