@@ -114,12 +114,14 @@ SECONDS_LIKELY_PER_S = 1000.0
 def milliseconds_hint(fmt: str, requests: int, span_s: float, time_scale: float) -> str | None:
     """What to say when a Mooncake-format trace of `requests` spanning `span_s` (after
     `time_scale`) arrives too fast for milliseconds: seconds read as milliseconds replay
-    the trace a thousand times denser, with nothing else amiss to give it away."""
+    the trace a thousand times denser, with nothing else amiss to give it away. Nothing
+    once `time_scale` makes the replay's rate plausible: the advice was taken."""
     if fmt != "mooncake" or requests < 100:
         return None
     raw_span_s = span_s / time_scale
-    if raw_span_s > 0 and requests / raw_span_s <= SECONDS_LIKELY_PER_S:
-        return None
+    for span in (raw_span_s, span_s):
+        if span > 0 and requests / span <= SECONDS_LIKELY_PER_S:
+            return None
     rate = f"{requests / raw_span_s:,.0f} requests/s" if raw_span_s > 0 else "all at once"
     return (
         f"Mooncake timestamps are milliseconds; read so, {requests:,} requests arrive in "

@@ -338,6 +338,10 @@ def test_mooncake_timestamps_that_look_like_seconds_are_pointed_out(
     assert (note in dry.output) is hinted, dry.output
     if hinted:
         assert "(time_scale: 2000)" in dry.output
+        # the advice taken, the note is gone (it asked for 1000 times more again)
+        assert "timestamps are milliseconds" not in cli(
+            "trace", "inspect", trace, "--time-scale", "1000"
+        ).err
 
 
 # ---------------------------------------------------------------------- compare labels
