@@ -12,7 +12,8 @@ dataset generator shapes them (SEED-SIMULATOR.md, "The synthetic (bursty) window
   `first_burst_s` − `decoy_lead_s` and the end of the last burst's slot
   (`first_burst_s` + `bursts` × `burst_spacing_s`): 14–340 s with the defaults, so a
   detector that fires on any repeat is punished;
-- rows ordered by (arrival, request id) within the window.
+- rows ordered by (arrival, request id) within the window; a job's requests share its
+  `group_id` and have no session (they are not one conversation's turns).
 
 The defaults are the seed's: 8 × 500 + 120 decoys = 4,120 rows per window, a 65,536-token
 prefix + one 256-token block, block_tokens 256 (set `workload.block_tokens: 256`).
@@ -135,7 +136,9 @@ def _window(
                     output_tokens=p.output_tokens,
                     block_hashes=prefix + ids.take(suffix_blocks),
                     block_tokens=bt,
-                    session_id=group_id,
+                    # a job of independent requests, not one session (as `bursted`): a
+                    # session would make the audit see one requester, and a closed
+                    # replay or a session-aware policy treat 500 requests as turns
                     group_id=group_id,
                     trace_id=trace_id,
                     source="synthetic",

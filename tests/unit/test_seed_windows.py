@@ -49,6 +49,9 @@ def test_a_window_is_eight_bursts_of_500_plus_120_decoys() -> None:
         assert all(14 <= jobs[g][0].arrival_s <= 340 for g in decoys)
         assert [r.arrival_s for r in rows] == sorted(r.arrival_s for r in rows)
         assert {r.source for r in rows} == {"synthetic"}
+        # a job's requests are independent, not one session's turns: the audit counted a
+        # burst of 500 as one requester (fan-out 1), and a closed replay would queue it
+        assert {r.session_id for r in rows} == {None}
 
 
 def test_seeded_and_the_shape_is_a_parameter() -> None:
