@@ -149,8 +149,29 @@ def is_point_complete(
         return False  # the records it counts are gone: the table would drop the point
     if manifest.trace is not None and not _same_trace(manifest.trace, stamps):
         return False  # its trace file was changed (or removed) since
+    if not _same_profiles(manifest.fidelity, Path(task.base_path).parent):
+        return False  # a cost profile it ran on was changed (or removed) since
     expected = _point_record(task, base_digest)
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
+
+
+def _same_profiles(fidelity: dict[str, dict[str, Any]], base_dir: Path) -> bool:
+    """Whether every engine profile the point's variants ran on still has the contents
+    they recorded (`costs.profile.sha256`; the path is relative to the hypothesis's
+    folder, as the run read it)."""
+    import hashlib
+
+    for facts in fidelity.values():
+        recorded, where = facts.get("costs.profile.sha256"), facts.get("costs.profile.path")
+        if recorded is None or where is None:
+            continue
+        path = base_dir / str(where)
+        try:
+            if hashlib.sha256(path.read_bytes()).hexdigest() != recorded:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def _same_trace(stamp: dict[str, Any], stamps: dict[str, Any] | None) -> bool:

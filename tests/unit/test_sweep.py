@@ -450,3 +450,31 @@ def test_series_plots_draw_a_line_per_variant_and_a_pareto_view_for_load(tmp_pat
     paths = write_series_plots(other, tmp_path / "o", ["sim.kv_visibility"],
                                ["cache_aware", "btb"], "ttft_p90", "t")  # fmt: skip
     assert "pareto" not in paths
+
+
+def test_a_point_whose_cost_profile_changed_runs_again(tmp_path: Path) -> None:
+    """The base's engine profile was edited (10× slower prefill): the points kept the
+    old costs' numbers, "already finished", where a changed trace reruns them."""
+    import hashlib
+
+    profile = tmp_path / "profiles" / "p.yaml"
+    profile.parent.mkdir()
+    profile.write_text("name: p\n", encoding="utf-8")
+
+    def with_profile(task: PointTask) -> None:
+        fake_run(task)
+        manifest = Manifest.load(Path(task.run_dir))
+        sha = hashlib.sha256(profile.read_bytes()).hexdigest()
+        facts = {"costs.profile.path": "profiles/p.yaml", "costs.profile.sha256": sha}
+        manifest.fidelity = {"cache_aware": facts, "btb": facts}
+        manifest.save(Path(task.run_dir))
+
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    out = tmp_path / "out"
+    run_sweep(path, out=out, run_fn=with_profile, validate=False)
+    assert not run_sweep(path, out=out, run_fn=with_profile, validate=False).ran
+    profile.write_text("name: p\nprefill: {per_token_s: 1.0e-3}\n", encoding="utf-8")
+    assert len(run_sweep(path, out=out, run_fn=with_profile, validate=False).ran) == 6
+    profile.unlink()  # a profile gone: nothing stands for those numbers either, so every
+    # point runs again (here failing, as the fake run reads the file)
+    assert len(run_sweep(path, out=out, run_fn=with_profile, validate=False).failed) == 6
