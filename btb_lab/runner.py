@@ -128,6 +128,8 @@ class RunOptions:
     # the last workload parsed or generated, kept across runs (a sweep's points replay the
     # same one); None: the run keeps its own while several repeats may read its trace file
     workloads: WorkloadCache | None = None
+    # the sweep point this run is (its id): never a hypothesis's newest full run
+    sweep_point: str | None = None
 
 
 @dataclass

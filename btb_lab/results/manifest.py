@@ -138,6 +138,9 @@ class Manifest(_Stored):
             reasons.append("interrupted")
         elif not self.complete:
             reasons.append("incomplete" if self.finished else "never finished (killed?)")
+        point = (self.cli.get("options") or {}).get("sweep_point")
+        if point:  # one point of a grid, even the one that changes nothing
+            reasons.append(f"sweep point {point}")
         return reasons + self.run_options()
 
     def run_options(self) -> list[str]:

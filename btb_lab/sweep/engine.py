@@ -90,6 +90,7 @@ def run_point(task: PointTask) -> None:
         seed=task.seed,
         progress=False,
         workloads=_point_workloads(),
+        sweep_point=task.point_id,
     )
     with forked.inline():
         run_hypothesis(Path(task.base_path), options)

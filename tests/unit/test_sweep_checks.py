@@ -73,3 +73,21 @@ def test_a_good_table_block_passes(tmp_path: Path) -> None:
     result = cli("sweep", path, "--dry-run")
     assert result.code == 0, result.output
     assert "2 points" in result.out
+
+
+def test_a_sweep_point_is_never_the_hypothesis_newest_full_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a point with no overrides looked like a run of the file as written: `list`,
+    # `report ID` and `log append ID` took it over the user's own run
+    write_small(tmp_path)
+    (tmp_path / "s.yaml").write_text(
+        "name: s\nbase: hs.yaml\npoints:\n  - {label: as-written}\n", encoding="utf-8"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert cli("run", "hs.yaml", "--no-progress", "--out", "results/HS/mine").code == 0
+    result = cli("sweep", "s.yaml", "--jobs", "1", "--seed", "99")
+    assert result.code == 0, result.output
+    from btb_lab.results.manifest import resolve_run_dir
+
+    assert resolve_run_dir("HS") == Path("results/HS/mine")
