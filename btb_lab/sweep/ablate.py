@@ -258,9 +258,12 @@ def check_ablation(loaded: LoadedSweep, profile: str) -> tuple[str, str]:
 
 
 def waterfall_table(df: pd.DataFrame, column: str, labels: list[str], axis: str) -> pd.DataFrame:
-    """Setup × step: the headline after each cumulative step."""
-    wide = df.pivot_table(index=axis, columns="step", values=column, aggfunc="first", sort=False)
-    return wide.reindex(columns=[label for label in labels if label in wide.columns])
+    """Setup × step: the headline after each cumulative step; every step a column, a step
+    with no value (n/a, or its point failed) an empty one rather than none."""
+    wide = df.pivot_table(
+        index=axis, columns="step", values=column, aggfunc="first", sort=False, dropna=False
+    )
+    return wide.reindex(columns=labels)
 
 
 def _plot(wide: pd.DataFrame, headline: str, path: Path) -> None:

@@ -80,6 +80,21 @@ def test_waterfall_table_orders_steps() -> None:
     assert wide.loc["y"].tolist() == [4.0, 5.0, 6.0]
 
 
+def test_a_step_with_no_headline_keeps_its_column() -> None:
+    # steps n/a in every setup (a GPU headline a variant has none of, a failed point) were
+    # dropped from waterfall.md without a mark, the later steps shifting left
+    labels = ["0 a", "1 b", "2 c", "3 d"]
+    df = pd.DataFrame(
+        {"setup": ["x", "x", "x"], "step": ["0 a", "1 b", "2 c"], "h": [3.0, math.nan, 1.0]}
+    )
+    wide = waterfall_table(df, "h", labels, "setup")
+    assert list(wide.columns) == labels
+    assert wide.loc["x"].tolist()[0] == 3.0
+    assert wide.loc["x"].tolist()[2] == 1.0
+    assert math.isnan(wide.loc["x"].tolist()[1])
+    assert math.isnan(wide.loc["x"].tolist()[3])
+
+
 def test_reference_columns_give_the_gap() -> None:
     from btb_lab.sweep.plan import SweepPoint
 
