@@ -297,6 +297,14 @@ def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
         hint = milliseconds_hint(trace.format, len(requests), span_s, hyp.workload.time_scale)
         if hint is not None:
             notes.append(f"{trace.path}: {hint}")
+    variation = hyp.workload.variation
+    one_window = len({r.trace_id for r in requests}) == 1  # drawn, it is only itself
+    if variation is not None and variation.resample_windows and one_window:
+        notes.append(
+            "workload.variation.resample_windows: the workload has one window (trace_id), "
+            "so every repeat replays it whole"
+            + ("" if variation.arrival_jitter_s else "; arrival_jitter_s would vary it")
+        )
     asked = hyp.workload.requests
     if asked is not None and len(requests) < asked:
         offset = hyp.workload.offset

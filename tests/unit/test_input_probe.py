@@ -551,6 +551,21 @@ def test_the_note_on_fewer_requests_names_the_offset(tmp_path: Path) -> None:
     )
 
 
+def test_resampling_the_windows_of_a_one_window_trace_is_said(tmp_path: Path) -> None:
+    # it did nothing, silently, and the report then advised the setting it already had
+    trace = tmp_path / "g.jsonl"
+    assert cli("trace", "generate", "poisson", "-o", trace, "-p", "requests=50").code == 0
+    path = write_small(tmp_path, **{
+        GENERATOR:
+        f"  trace: {{path: {trace}, format: bursted-art}}\n"
+        "  variation: {resample_windows: true}"})  # fmt: skip
+    result = cli("run", path, "--dry-run")
+    assert result.code == 0, result.output
+    said = "resample_windows: the workload has one window (trace_id), so every repeat"
+    assert said in result.output
+    assert "arrival_jitter_s would vary it" in result.output
+
+
 def test_compare_says_a_run_is_incomplete(small_run: Path, tmp_path: Path) -> None:
     stopped = tmp_path / "stopped"
     shutil.copytree(small_run, stopped)
