@@ -621,7 +621,9 @@ def generate_agentic(p: AgenticParams, ctx: GenContext) -> list[Request]:
             blocks = _prompt_blocks(blocks[: input_tokens // bt], next_tokens, bt, ids)
             input_tokens = next_tokens
             arrival_s += float(rng.exponential(p.think_time_s_mean)) if p.think_time_s_mean else 0
-    out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    # ties (no think time) by session, then turn as a number: by the id, turn 100 (`t100`)
+    # sorted before turn 11, and the loader refused the file as out of order
+    out.sort(key=lambda r: (r.arrival_s, r.session_id or "", r.turn))
     return out
 
 

@@ -178,3 +178,14 @@ def test_poisson_rate_and_gamma_burstiness() -> None:
     assert shared == pytest.approx(0.8, abs=0.03)
     groups = Counter(r.group_id for r in poisson if r.group_id)
     assert groups.most_common(1)[0][0] == "prefix0"  # Zipf: prefix 0 is the most popular
+
+
+def test_agentic_turns_without_think_time_stay_in_order_past_turn_99() -> None:
+    # every turn of a session at one time: sorted by id, turn 100 came before turn 11
+    params = {"sessions": 1, "turns_mean": 100000, "max_turns": 120, "think_time_s_mean": 0,
+              "growth_tokens_median": 10, "growth_sigma": 0, "output_tokens_median": 10,
+              "output_sigma": 0, "first_turn_tokens_median": 100, "first_turn_sigma": 0,
+              "large_addition_prob": 0}  # fmt: skip
+    requests = generate("agentic", params, GenContext(seed=1))
+    assert len(requests) > 100
+    assert [r.turn for r in requests] == list(range(1, len(requests) + 1))
