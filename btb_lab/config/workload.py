@@ -65,9 +65,12 @@ class WorkloadSpec(StrictModel):
     trace: TraceSpec | None = Field(None, description="Replay a trace file.")
     generator: GeneratorSpec | None = Field(None, description="Generate requests.")
     requests: int | None = Field(
-        None, ge=1, description="Use the first N requests (after ordering by arrival)."
+        None,
+        ge=1,
+        description="Use the first N requests in replay order: windows (trace_ids) in the "
+        "order they first appear, each window's requests by arrival.",
     )
-    offset: int = Field(0, ge=0, description="Skip this many requests first.")
+    offset: int = Field(0, ge=0, description="Skip this many requests first (replay order).")
     time_scale: float = Field(
         1.0,
         gt=0,
