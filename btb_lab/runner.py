@@ -289,12 +289,16 @@ def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
         )
     trace = hyp.workload.trace
     if trace is not None and requests:
-        from btb_lab.workload.trace_checks import milliseconds_hint
+        from btb_lab.workload.trace_checks import block_size_hint, milliseconds_hint
 
         times = [r.arrival_s for r in requests]
         windows = len({r.trace_id for r in requests})
         span_s = max(times) - min(times) - hyp.workload.window_gap_s * (windows - 1)
         hint = milliseconds_hint(trace.format, len(requests), span_s, hyp.workload.time_scale)
+        if hint is not None:
+            notes.append(f"{trace.path}: {hint}")
+        sizes = ((r.input_tokens, len(r.block_hashes)) for r in requests)
+        hint = block_size_hint(sizes, hyp.workload.block_tokens)
         if hint is not None:
             notes.append(f"{trace.path}: {hint}")
     variation = hyp.workload.variation

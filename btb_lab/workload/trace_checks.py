@@ -9,6 +9,7 @@ are refused alike. Kept apart from `formats` so that module stays under 600 line
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -16,6 +17,7 @@ from btb_lab.errors import UserError
 
 __all__ = [
     "REQUIRED_COLUMNS",
+    "block_size_hint",
     "check_block_tokens",
     "check_trace_input",
     "milliseconds_hint",
@@ -104,6 +106,26 @@ def token_count(value: float) -> str:
     if isinstance(value, float) and not (value.is_integer() and abs(value) <= 2**53):
         return f"{value:g}"
     return f"{int(value):,}"
+
+
+def block_size_hint(lengths: Iterable[tuple[int, int]], block_tokens: int) -> str | None:
+    """What to say when a trace's rows, as (input tokens, block ids), carry one id per
+    k × `block_tokens` tokens (k ≥ 2): each id then stands for `block_tokens` tokens, and
+    every cached prefix counts 1/k of its length (a 512-token trace read at 256). A row
+    with more ids than its prompt allows is refused by the loader; this is the other side.
+    Only rows of two or more ids decide, and only when every one of them agrees."""
+    rows = [(tokens, n) for tokens, n in lengths if n >= 2 and tokens > 0]
+    if not rows or any(-(-tokens // block_tokens) == n for tokens, n in rows):
+        return None
+    for k in (2, 4, 8, 16, 32, 64):
+        size = k * block_tokens
+        if all(-(-tokens // size) == n for tokens, n in rows):
+            return (
+                f"every row carries one block id per {size} tokens, but workload.block_tokens "
+                f"is {block_tokens}: each id stands for {block_tokens} tokens, so cached "
+                f"prefixes count 1/{k} of their length (workload.block_tokens: {size})"
+            )
+    return None
 
 
 # Mooncake's timestamps are milliseconds; a trace whose requests arrive faster than this

@@ -339,9 +339,10 @@ def test_mooncake_timestamps_that_look_like_seconds_are_pointed_out(
     if hinted:
         assert "(time_scale: 2000)" in dry.output
         # the advice taken, the note is gone (it asked for 1000 times more again)
-        assert "timestamps are milliseconds" not in cli(
-            "trace", "inspect", trace, "--time-scale", "1000"
-        ).err
+        assert (
+            "timestamps are milliseconds"
+            not in cli("trace", "inspect", trace, "--time-scale", "1000").err
+        )
 
 
 # ---------------------------------------------------------------------- compare labels
@@ -762,3 +763,25 @@ def test_inspect_lays_windows_out_as_a_replay_does_at_the_default_scale(
     nudged = json.loads(cli("trace", "inspect", trace, "--json", "--time-scale", "1.000001").output)
     assert at_one["span_s"] == pytest.approx(nudged["span_s"], rel=1e-5)
     assert at_one["arrival_rate_per_s"] == pytest.approx(nudged["arrival_rate_per_s"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("block_tokens", "said"), [(256, True), (512, False)])
+def test_a_trace_of_larger_blocks_than_the_hypothesis_says_is_pointed_out(
+    tmp_path: Path, block_tokens: int, said: bool
+) -> None:
+    # a 512-token-block trace read at 256: every cached prefix counted half, silently
+    # (the other side, more ids than a prompt allows, is refused by the loader)
+    trace = tmp_path / "t.jsonl"
+    with trace.open("w", encoding="utf-8") as handle:
+        for i in range(40):
+            tokens = 600 + 97 * i
+            ids = [1000 * i + b for b in range(-(-tokens // 512))]
+            handle.write(json.dumps({"timestamp": 500 * i, "input_length": tokens,
+                                     "output_length": 20, "hash_ids": ids}) + "\n")  # fmt: skip
+    path = write_small(tmp_path, **{
+        GENERATOR: f"  trace: {{path: {trace}, format: mooncake}}\n"
+        f"  block_tokens: {block_tokens}"})  # fmt: skip
+    result = cli("run", path, "--dry-run")
+    assert result.code == 0, result.output
+    note = "every row carries one block id per 512 tokens, but workload.block_tokens is 256"
+    assert (note in result.output) is said, result.output
