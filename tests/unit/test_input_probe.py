@@ -538,33 +538,31 @@ def test_report_all_re_renders_the_other_runs_past_a_damaged_one(
     assert "2-good/report.md: " in result.out
 
 
-def test_the_note_on_fewer_requests_names_the_offset(tmp_path: Path) -> None:
+def _dry_run_of_a_50_request_trace(tmp_path: Path, workload_lines: str) -> str:
+    """`run --dry-run`'s output for the small hypothesis replaying a generated 50-request
+    trace, with `workload_lines` (YAML under `workload:`) added."""
     trace = tmp_path / "g.jsonl"
     assert cli("trace", "generate", "poisson", "-o", trace, "-p", "requests=50").code == 0
-    path = write_small(tmp_path, **{
-        GENERATOR:
-        f"  trace: {{path: {trace}, format: bursted-art}}\n  offset: 40\n"
-        "  requests: 30"})  # fmt: skip
+    path = write_small(
+        tmp_path,
+        **{GENERATOR: f"  trace: {{path: {trace}, format: bursted-art}}\n{workload_lines}"},
+    )
     result = cli("run", path, "--dry-run")
     assert result.code == 0, result.output
-    assert (
-        "workload.requests is 30 but the workload has 10 after workload.offset 40" in result.output
-    )
+    return str(result.output)
+
+
+def test_the_note_on_fewer_requests_names_the_offset(tmp_path: Path) -> None:
+    output = _dry_run_of_a_50_request_trace(tmp_path, "  offset: 40\n  requests: 30")
+    assert "workload.requests is 30 but the workload has 10 after workload.offset 40" in output
 
 
 def test_resampling_the_windows_of_a_one_window_trace_is_said(tmp_path: Path) -> None:
     # it did nothing, silently, and the report then advised the setting it already had
-    trace = tmp_path / "g.jsonl"
-    assert cli("trace", "generate", "poisson", "-o", trace, "-p", "requests=50").code == 0
-    path = write_small(tmp_path, **{
-        GENERATOR:
-        f"  trace: {{path: {trace}, format: bursted-art}}\n"
-        "  variation: {resample_windows: true}"})  # fmt: skip
-    result = cli("run", path, "--dry-run")
-    assert result.code == 0, result.output
+    output = _dry_run_of_a_50_request_trace(tmp_path, "  variation: {resample_windows: true}")
     said = "resample_windows: the workload has one window (trace_id), so every repeat"
-    assert said in result.output
-    assert "arrival_jitter_s would vary it" in result.output
+    assert said in output
+    assert "arrival_jitter_s would vary it" in output
 
 
 def test_compare_says_a_run_is_incomplete(small_run: Path, tmp_path: Path) -> None:

@@ -196,14 +196,19 @@ def test_small_effect_is_rejected_as_below_minimum() -> None:
     assert "smaller than the 20% minimum effect" in v.reason
 
 
-def test_per_class_reversal_is_partial() -> None:
-    # the whole run shows the claim (A much faster, B a little), and class B reverses
+def _two_classes(a: float, b: float) -> object:
+    """The verdict on TTFTmean (per class A and B) where `new` scales A's TTFTs by `a` and
+    B's by `b`: the same requests in both variants."""
     base = records("base", 1.0, seed=1, klass="A") + records("base", 1.0, seed=2, klass="B")
-    new = records("new", 0.3, seed=1, klass="A") + records("new", 1.3, seed=2, klass="B")
+    new = records("new", a, seed=1, klass="A") + records("new", b, seed=2, klass="B")
     for i, row in enumerate(base):
         row["request_id"] = new[i]["request_id"] = f"q{i}"
-    rule = VerdictRule(metric="ttft_mean", min_effect=0.05, per_class=["A", "B"])
-    v = judge(base + new, rule)
+    return judge(base + new, VerdictRule(metric="ttft_mean", min_effect=0.05, per_class=["A", "B"]))
+
+
+def test_per_class_reversal_is_partial() -> None:
+    # the whole run shows the claim (A much faster, B a little), and class B reverses
+    v = _two_classes(0.3, 1.3)
     assert v.word == "PARTIALLY VALIDATED"
     assert "beyond the 5% minimum effect, but reverses for B TTFTmean +30.0%" in v.reason
 
@@ -212,12 +217,7 @@ def test_classes_that_split_cannot_lift_a_claim_the_run_does_not_show() -> None:
     """A faster, B slower, the whole run in between: the per-class checks (unadjusted)
     are reported, not read as a partial validation that would outrank the run's own
     answer."""
-    base = records("base", 1.0, seed=1, klass="A") + records("base", 1.0, seed=2, klass="B")
-    new = records("new", 0.4, seed=1, klass="A") + records("new", 1.6, seed=2, klass="B")
-    for i, row in enumerate(base):
-        row["request_id"] = new[i]["request_id"] = f"q{i}"
-    rule = VerdictRule(metric="ttft_mean", min_effect=0.05, per_class=["A", "B"])
-    v = judge(base + new, rule)
+    v = _two_classes(0.4, 1.6)
     primary = v.variants["new"].primary
     assert primary is not None
     assert primary.outcome != "holds"
