@@ -198,6 +198,13 @@ def _check_same_experiment(runs: Sequence[SideRun], force: bool) -> list[str]:
         if manifest.failed_variants:
             problems.append(f"{run.run_dir}: runs of {', '.join(manifest.failed_variants)} "
                             "failed")  # fmt: skip
+    seen: dict[Path, int] = {}
+    for i, run in enumerate(runs):  # a run beside itself agrees with itself: nothing measured
+        first_at = seen.setdefault(run.run_dir.resolve(), i)
+        if first_at != i:
+            problems.append(f"{run.run_dir} is given twice (as {runs[first_at].run_dir}): "
+                            "compared with itself, every error is 0 and the verdicts agree "
+                            "by construction")  # fmt: skip
     return problems
 
 

@@ -225,3 +225,12 @@ def test_runs_of_one_side_that_reach_other_verdicts_are_said(
     c = compare_runs([real, model, same])
     said = f"the runs of one side reach different verdicts ({model} VALIDATED, {same} "
     assert any(w.startswith(said) for w in c.warnings), c.warnings
+
+
+def test_a_run_compared_with_itself_is_said(pair: tuple[Path, Path]) -> None:
+    """`compare X X` (or X beside its own path spelled another way) agreed with itself
+    in silence: every error 0, verdicts agreeing, as if the model were exact."""
+    real, model = pair
+    c = compare_runs([real, model, model.parent / "." / model.name])
+    assert any("is given twice" in w for w in c.warnings), c.warnings
+    assert not any("is given twice" in w for w in compare_runs([real, model]).warnings)
