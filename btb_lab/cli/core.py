@@ -341,6 +341,7 @@ def register(app: typer.Typer) -> None:
         except OSError as exc:
             raise OutputError(describe_os_error(exc, log.parent)) from None
         typer.echo(f"{log}: entry for {path}")
+        _say_if_edited(path)
 
     @log_app.command("show")
     @user_errors
@@ -386,15 +387,32 @@ def register(app: typer.Typer) -> None:
                 table.add_row(name, ", ".join(params) or "-")
             Console(width=160).print(table)
             return
-        from btb_lab.report.listing import list_hypotheses, shared_ids
+        from btb_lab.report.listing import edited_notes, list_hypotheses, shared_ids
 
         rows = list_hypotheses(hypotheses, results)
         table = Table("id", "title", "file", "latest verdict", "run")
         for row in rows:
-            table.add_row(row.id, row.title, str(row.path), row.verdict or "-", row.run or "-")
+            verdict = (row.verdict or "-") + ("*" if row.edited else "")
+            table.add_row(row.id, row.title, str(row.path), verdict, row.run or "-")
         Console(width=160).print(table)
-        for line in shared_ids(rows):
+        for line in [*shared_ids(rows), *edited_notes(rows)]:
             typer.echo(line, err=True)
+
+
+def _say_if_edited(run_dir: Path) -> None:
+    """A warning when the run's hypothesis file (where it ran from) changed since: its
+    log entry is of the settings the run had, which the file no longer says."""
+    from btb_lab.report.listing import edited_since
+    from btb_lab.results import Manifest
+
+    manifest = Manifest.load(run_dir)
+    source = Path(manifest.hypothesis_file)
+    if not source.is_file():
+        return
+    edited = edited_since(source, manifest)
+    if edited is not None:
+        typer.echo(f"warning: {source} changed since this run ({edited}): the entry is of "
+                   "the settings the run had", err=True)  # fmt: skip
 
 
 def _print_summary(summary: Summary) -> None:

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from btb_lab.analysis.models import Summary
 from btb_lab.errors import UserError, ValidationFailed
-from btb_lab.results import full_runs
+from btb_lab.results import Manifest, full_runs
 from btb_lab.yamlio import compose_yaml
 
-__all__ = ["HypothesisRow", "latest_verdicts", "list_hypotheses", "shared_ids"]
+__all__ = [
+    "HypothesisRow",
+    "edited_notes",
+    "edited_since",
+    "latest_verdicts",
+    "list_hypotheses",
+    "shared_ids",
+]
 
 
 @dataclass
@@ -20,6 +29,37 @@ class HypothesisRow:
     path: Path
     verdict: str | None
     run: str | None
+    # how the file changed since that run (`edited_since`), or None
+    edited: str | None = None
+
+
+def _resolved(data: dict[str, Any]) -> dict[str, Any]:
+    """A hypothesis as a manifest stores it, its defaults filled in by today's model (a
+    run stored before a field existed did not change for that)."""
+    from btb_lab.config import Hypothesis
+    from btb_lab.redact import redact_value
+
+    # stored by another version of the model: compared as stored
+    with contextlib.suppress(ValueError):
+        data = Hypothesis.model_validate(data).model_dump(mode="json", by_alias=True)
+    return dict(redact_value(data))
+
+
+def edited_since(path: Path, manifest: Manifest) -> str | None:
+    """How the hypothesis file at `path` differs from the settings its run `manifest` ran
+    ("verdict differs", "verdict, workload differ", "it no longer validates"), or None
+    when it runs the same. Comments and layout do not count."""
+    from btb_lab.hypothesis import load_hypothesis
+
+    try:
+        now = load_hypothesis(path).hypothesis.model_dump(mode="json", by_alias=True)
+    except (UserError, ValidationFailed):
+        return "it no longer validates"
+    now, then = _resolved(now), _resolved(manifest.hypothesis)
+    keys = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+    if not keys:
+        return None
+    return ", ".join(keys) + (" differs" if len(keys) == 1 else " differ")
 
 
 def latest_verdicts(results: Path) -> dict[str, tuple[str, str]]:
@@ -64,8 +104,24 @@ def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
         # only text is shown: a mapping could be an alias bomb that str() would expand
         title = str(title) if isinstance(title, str | int | float) else "(not text)"
         verdict, run = verdicts.get(hid, (None, None))
-        rows.append(HypothesisRow(hid, title, path, verdict, run))
+        edited = None
+        if run is not None:
+            try:
+                edited = edited_since(path, Manifest.load(Path(run)))
+            except UserError:  # its manifest went unreadable meanwhile
+                edited = None
+        rows.append(HypothesisRow(hid, title, path, verdict, run, edited))
     return rows
+
+
+def edited_notes(rows: list[HypothesisRow]) -> list[str]:
+    """A note per file edited since the run whose verdict its row shows."""
+    return [
+        f"note: {row.path} changed since {row.run} ran it ({row.edited}): its verdict (*) "
+        "is of the settings that run had"
+        for row in rows
+        if row.edited is not None
+    ]
 
 
 def shared_ids(rows: list[HypothesisRow]) -> list[str]:

@@ -783,3 +783,33 @@ def test_a_trace_of_larger_blocks_than_the_hypothesis_says_is_pointed_out(
     assert result.code == 0, result.output
     note = "every row carries one block id per 512 tokens, but workload.block_tokens is 256"
     assert (note in result.output) is said, result.output
+
+
+# ------------------------------------------- a hypothesis file edited since its run
+
+
+def test_list_and_log_append_say_the_file_changed_since_its_run(tmp_path: Path) -> None:
+    """`list` showed the newest run's verdict, and `log append ID` logged it, after the
+    file's rule had changed: a verdict of settings the file no longer says, in silence."""
+    folder = tmp_path / "hypotheses"
+    folder.mkdir()
+    path = write_small(folder)
+    results = tmp_path / "results"
+    assert cli("run", path, "--out", results / "HS" / "r1", "--no-progress").code == 0
+    listed = cli("list", "--hypotheses", folder, "--results", results)
+    assert listed.code == 0, listed.output
+    assert "changed since" not in listed.output
+    path.write_text(path.read_text(encoding="utf-8") + "# a comment\n", encoding="utf-8")
+    assert "changed since" not in cli("list", "--hypotheses", folder, "--results", results).output
+    path.write_text(
+        path.read_text(encoding="utf-8").replace("min_effect: 0.05", "min_effect: 0.2"),
+        encoding="utf-8",
+    )
+    listed = cli("list", "--hypotheses", folder, "--results", results)
+    assert listed.code == 0, listed.output
+    assert f"note: {path} changed since {results / 'HS' / 'r1'} ran it (verdict differs)" in (
+        listed.output
+    )
+    logged = cli("log", "append", "HS", "--results", results, "--log", tmp_path / "LOG.md")
+    assert logged.code == 0, logged.output
+    assert f"warning: {path} changed since this run (verdict differs)" in logged.output
