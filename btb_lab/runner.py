@@ -288,11 +288,11 @@ def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
             f"(skip_bad_rows), first: {skipped[0]}{more}"
         )
     trace = hyp.workload.trace
+    windows = len({r.trace_id for r in requests})
     if trace is not None and requests:
         from btb_lab.workload.trace_checks import block_size_hint, milliseconds_hint
 
         times = [r.arrival_s for r in requests]
-        windows = len({r.trace_id for r in requests})
         span_s = max(times) - min(times) - hyp.workload.window_gap_s * (windows - 1)
         hint = milliseconds_hint(trace.format, len(requests), span_s, hyp.workload.time_scale)
         if hint is not None:
@@ -302,8 +302,8 @@ def workload_notes(hyp: Hypothesis, requests: list[Request]) -> list[str]:
         if hint is not None:
             notes.append(f"{trace.path}: {hint}")
     variation = hyp.workload.variation
-    one_window = len({r.trace_id for r in requests}) == 1  # drawn, it is only itself
-    if variation is not None and variation.resample_windows and one_window:
+    # one window drawn with replacement is only itself
+    if variation is not None and variation.resample_windows and windows == 1:
         notes.append(
             "workload.variation.resample_windows: the workload has one window (trace_id), "
             "so every repeat replays it whole"

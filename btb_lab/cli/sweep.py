@@ -33,7 +33,13 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "--out", help="Sweep directory (default results/sweeps/<name>/)."
         ),
-        seed: int | None = typer.Option(None, "--seed", min=0, help="Master seed for every point."),
+        seed: int | None = typer.Option(
+            None,
+            "--seed",
+            min=0,
+            help="Master seed for every point. Points run with another seed are run again "
+            "in place; give --out to keep both.",
+        ),
         dry_run: bool = typer.Option(False, "--dry-run", help="List the points and exit."),
     ) -> None:
         """Run every point of a sweep, then write its table and plot.

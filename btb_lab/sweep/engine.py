@@ -150,27 +150,32 @@ def is_point_complete(
         return False  # the records it counts are gone: the table would drop the point
     if manifest.trace is not None and not _same_trace(manifest.trace, stamps):
         return False  # its trace file was changed (or removed) since
-    if not _same_profiles(manifest.fidelity, Path(task.base_path).parent):
+    if not _same_profiles(manifest.fidelity, Path(task.base_path).parent, stamps):
         return False  # a cost profile it ran on was changed (or removed) since
     expected = _point_record(task, base_digest)
     return all(point.get(k) == expected[k] for k in ("overrides_digest", "base_digest", "seed"))
 
 
-def _same_profiles(fidelity: dict[str, dict[str, Any]], base_dir: Path) -> bool:
+def _same_profiles(
+    fidelity: dict[str, dict[str, Any]], base_dir: Path, stamps: dict[str, Any] | None = None
+) -> bool:
     """Whether every engine profile the point's variants ran on still has the contents
     they recorded (`costs.profile.sha256`; the path is relative to the hypothesis's
-    folder, as the run read it)."""
+    folder, as the run read it). `stamps` keeps each file's digest for the pass."""
     import hashlib
 
+    stamps = {} if stamps is None else stamps
     for facts in fidelity.values():
         recorded, where = facts.get("costs.profile.sha256"), facts.get("costs.profile.path")
         if recorded is None or where is None:
             continue
-        path = base_dir / str(where)
-        try:
-            if hashlib.sha256(path.read_bytes()).hexdigest() != recorded:
-                return False
-        except OSError:
+        key = f"profile:{(base_dir / str(where)).resolve()}"
+        if key not in stamps:
+            try:
+                stamps[key] = hashlib.sha256((base_dir / str(where)).read_bytes()).hexdigest()
+            except OSError:
+                stamps[key] = None
+        if stamps[key] != recorded:
             return False
     return True
 
@@ -505,7 +510,7 @@ def run_sweep(
 
     outcome = SweepOutcome(sweep_dir=sweep_dir, points=points)
     todo: list[PointTask] = []
-    stamps: dict[str, Any] = {}  # a trace shared by the points is read once
+    stamps: dict[str, Any] = {}  # a trace or profile shared by the points is read once
     for task in tasks:
         if is_point_complete(task, base_digest, stamps):
             outcome.skipped.append(task.point_id)
