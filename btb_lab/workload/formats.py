@@ -238,6 +238,13 @@ def _columnar(
         return None
 
 
+def _goes_back(timestamp_ms: float, latest_ms: float, latest_line: int) -> str:
+    """Why a row is out of arrival order, naming the row it is earlier than: one wrong
+    timestamp far ahead puts every later row "earlier", and is the row to mend."""
+    return (f"{timestamp_ms:g} is earlier than line {latest_line}'s {latest_ms:g} (file order "
+            "is arrival order)")  # fmt: skip
+
+
 def _non_decreasing(values: list[float], previous: float) -> bool:
     return all(a <= b for a, b in pairwise([previous, *values]))
 
@@ -268,25 +275,25 @@ def _run_rows(
 def load_mooncake(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedTrace:
     """Mooncake FAST'25 rows: `timestamp` (ms), `input_length`, `output_length`, `hash_ids`.
 
-    File order is arrival order, so a timestamp earlier than the previous row's is an error.
+    File order is arrival order, so a timestamp earlier than an earlier row's is an error.
     """
     check_trace_input(path, "mooncake", block_tokens)
     fast = _columnar(_columnar_mooncake, path, block_tokens)
     if fast is not None:
         return fast
-    last_ms = -math.inf
+    last = (-math.inf, 0)  # the latest timestamp so far, and its line
     interner = BlockIdInterner()
     stem = trace_stem(path)  # once per file, not per row
 
     def parse(line_no: int, row: dict[str, Any]) -> Request:
-        nonlocal last_ms
+        nonlocal last
         timestamp_ms = _time(row, "timestamp")
         input_tokens = _length(row, "input_length")
         output_tokens = _length(row, "output_length")
         hashes = _hash_ids(row, input_tokens, block_tokens, interner, allow_str=False)
-        if timestamp_ms < last_ms:
-            raise BadRow("timestamp", f"{timestamp_ms:g} is earlier than the previous row's")
-        last_ms = timestamp_ms
+        if timestamp_ms < last[0]:
+            raise BadRow("timestamp", _goes_back(timestamp_ms, *last))
+        last = (timestamp_ms, line_no)
         return Request(
             request_id=f"{stem}-{line_no}",
             arrival_s=timestamp_ms / 1000.0,
@@ -482,12 +489,12 @@ def load_art_chat(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
     fast = _columnar(_columnar_art_chat, path, block_tokens)
     if fast is not None:
         return fast
-    last_ms = -math.inf
+    last = (-math.inf, 0)  # the latest timestamp so far, and its line
     seen_ids: dict[str, int] = {}
     interner = BlockIdInterner()
 
     def parse(line_no: int, row: dict[str, Any]) -> Request:
-        nonlocal last_ms
+        nonlocal last
         timestamp_ms = _time(row, "timestamp_ms")
         request_id = _text(row, "request_id")
         system_prompt = _text(row, "system_prompt_hash", required=False)
@@ -497,9 +504,9 @@ def load_art_chat(path: Path, block_tokens: int, skip_bad_rows: bool) -> LoadedT
         assert request_id is not None
         if request_id in seen_ids:
             raise BadRow("request_id", f"{request_id!r} repeats line {seen_ids[request_id]}")
-        if timestamp_ms < last_ms:
-            raise BadRow("timestamp_ms", f"{timestamp_ms:g} is earlier than the previous row's")
-        last_ms = timestamp_ms
+        if timestamp_ms < last[0]:
+            raise BadRow("timestamp_ms", _goes_back(timestamp_ms, *last))
+        last = (timestamp_ms, line_no)
         seen_ids[request_id] = line_no
         return Request(
             request_id=request_id,

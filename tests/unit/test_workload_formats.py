@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_mooncake_skip_bad_rows_counts_every_problem() -> None:
     joined = "\n".join(trace.bad_rows)
     assert f"{path}:3: field 'input_length': must be ≥ 0" in joined
     assert f"{path}:6: field 'output_length': missing" in joined
-    assert f"{path}:7: field 'timestamp': 50 is earlier than the previous row's" in joined
+    assert f"{path}:7: field 'timestamp': 50 is earlier than line 4's 300 (file order" in joined
     assert f"{path}:8: field 'hash_ids': 3 ids but input_length 600" in joined
     assert f"{path}:9: not valid JSON" in joined
 
@@ -117,12 +118,28 @@ def test_art_chat_parquet_error_names_row(tmp_path: Path) -> None:
         load_trace(path, "art-chat")
 
 
+def test_rows_after_a_timestamp_far_ahead_name_that_row(tmp_path: Path) -> None:
+    """One timestamp far ahead makes every later row "earlier"; with skip_bad_rows they
+    were skipped as "earlier than the previous row's", which hid the row to mend."""
+    path = tmp_path / "t.jsonl"
+    rows = [{"timestamp": t, "input_length": 10, "output_length": 1, "hash_ids": [i]}
+            for i, t in enumerate([0, 100, 1e12, 200, 300])]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    trace = load_trace(path, "mooncake", skip_bad_rows=True)
+    assert trace.bad_rows == [
+        f"{path}:{line}: field 'timestamp': {t} is earlier than line 3's 1e+12 (file order "
+        "is arrival order)"
+        for line, t in ((4, 200), (5, 300))
+    ]
+
+
 def test_art_chat_malformed_rows() -> None:
     path = FIXTURES / "art_chat_bad.jsonl"
     trace = load_trace(path, "art-chat", skip_bad_rows=True)
     assert [r.request_id for r in trace.requests] == ["c1", "c2"]
     assert trace.bad_rows == [
-        f"{path}:3: field 'timestamp_ms': 200 is earlier than the previous row's",
+        f"{path}:3: field 'timestamp_ms': 200 is earlier than line 2's 250 (file order is "
+        "arrival order)",
         f"{path}:4: field 'request_id': 'c2' repeats line 2",
     ]
 
