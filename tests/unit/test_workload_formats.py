@@ -138,8 +138,10 @@ def test_art_chat_malformed_rows() -> None:
     trace = load_trace(path, "art-chat", skip_bad_rows=True)
     assert [r.request_id for r in trace.requests] == ["c1", "c2"]
     assert trace.bad_rows == [
-        f"{path}:3: field 'timestamp_ms': 200 is earlier than line 2's 250 (file order is "
-        "arrival order)",
+        (
+            f"{path}:3: field 'timestamp_ms': 200 is earlier than line 2's 250 (file order "
+            "is arrival order)"
+        ),
         f"{path}:4: field 'request_id': 'c2' repeats line 2",
     ]
 
