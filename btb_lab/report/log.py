@@ -31,6 +31,7 @@ _END = "<!-- btb-lab:end {id} run={run} -->"
 _HEADING = re.compile(r"^##\s+([^\s:]+):\s*(.*?)\s*$")
 _VERDICT = re.compile(r"\*\*Verdict\*\*:\s*\*\*([A-Z ]+?)\*\*")
 _MARK = re.compile(r"^<!-- btb-lab:(entry|end) (\S+) run=(\S+) -->$")
+_INCOMPLETE = " (incomplete run)"  # after the verdict's reason (log_entry.md.j2)
 
 
 @dataclass
@@ -228,19 +229,28 @@ def _check_marks(text: str, log_path: Path) -> None:
 
 
 def parse_log(text: str) -> list[LogEntry]:
-    """Every `## ID: title` section, hand-written or the tool's, with its verdict word."""
+    """Every `## ID: title` section, hand-written or the tool's, with its verdict word
+    (" (incomplete run)" after it where the entry says so). A tool entry whose heading was
+    edited out of that shape is still one entry: its id is in its markers."""
     entries: list[LogEntry] = []
     run: str | None = None
+    marked: str | None = None  # the id of the tool entry being read, until its heading
     for line in text.splitlines():
         mark = _MARK.match(line.strip())
         if mark:
-            run = mark.group(3) if mark.group(1) == "entry" else None
+            opened = mark.group(1) == "entry"
+            run, marked = (mark.group(3), mark.group(2)) if opened else (None, None)
             continue
         heading = _HEADING.match(line)
         if heading:
             entries.append(LogEntry(heading.group(1), heading.group(2), None, run))
+            marked = None
             continue
         verdict = _VERDICT.search(line)
+        if verdict and marked is not None:  # the tool's entry, its heading edited
+            entries.append(LogEntry(marked, "(heading edited)", None, run))
+            marked = None
         if verdict and entries and entries[-1].verdict is None:
-            entries[-1].verdict = verdict.group(1).strip()
+            word = verdict.group(1).strip()
+            entries[-1].verdict = word + (" (incomplete run)" if _INCOMPLETE in line else "")
     return entries

@@ -135,3 +135,25 @@ def test_log_show_names_a_folder_given_as_the_log(tmp_path: Path) -> None:
     assert result.code == 2, result.output
     assert f"{tmp_path}: a folder, not a log file" in result.err
     assert "no such log file" in cli("log", "show", "--log", tmp_path / "LOG.md").err
+
+
+def test_show_keeps_a_tool_entry_whose_heading_was_edited_and_says_incomplete() -> None:
+    """`log show` dropped a tool entry whose `## ID: title` heading was reworded by hand
+    (its verdict then had no row), and listed an incomplete run's verdict like a full one."""
+    text = (
+        "# Log\n\n"
+        "<!-- btb-lab:entry HX run=R1 -->\n"
+        "## HX — reworded by hand\n\n"
+        "**Verdict**: **VALIDATED**. TTFT90 −19.0%.\n"
+        "<!-- btb-lab:end HX run=R1 -->\n\n"
+        "<!-- btb-lab:entry HY run=R2 -->\n"
+        "## HY: stopped early\n\n"
+        "**Verdict**: **REJECTED**. TTFT90 +3.0%. (incomplete run)\n"
+        "<!-- btb-lab:end HY run=R2 -->\n"
+    )
+    entries = parse_log(text)
+    assert [(e.hypothesis, e.verdict, e.run) for e in entries] == [
+        ("HX", "VALIDATED", "R1"),
+        ("HY", "REJECTED (incomplete run)", "R2"),
+    ]
+    assert entries[0].title == "(heading edited)"
