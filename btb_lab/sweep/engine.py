@@ -109,6 +109,11 @@ class SweepOutcome:
     outputs: dict[str, Path] = field(default_factory=dict)
 
 
+# what a pass writes into the sweep directory after its points (`write_outputs`,
+# `write_series_plots`)
+SWEEP_OUTPUTS = ("table.csv", "table.md", "plot.png", "intervals.csv", "series.png", "pareto.png")
+
+
 def default_sweep_dir(loaded: LoadedSweep) -> Path:
     """results/sweeps/<name>/ under the current directory: fixed, so reruns resume."""
     return Path("results") / "sweeps" / loaded.spec.name
@@ -508,6 +513,10 @@ def run_sweep(
         json.dumps(plan_doc, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8"
     )
 
+    # the last pass's table and plots go now: a pass stopped before it writes its own
+    # leaves none, never the old points' numbers beside this pass's sweep.json
+    for name in SWEEP_OUTPUTS:
+        (sweep_dir / name).unlink(missing_ok=True)
     outcome = SweepOutcome(sweep_dir=sweep_dir, points=points)
     todo: list[PointTask] = []
     stamps: dict[str, Any] = {}  # a trace or profile shared by the points is read once

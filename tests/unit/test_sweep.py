@@ -256,6 +256,24 @@ def test_resume_skips_finished_points_and_reruns_unfinished(tmp_path: Path) -> N
     assert len(fifth.ran) == 6
 
 
+def test_a_pass_stopped_in_its_points_leaves_no_old_table(tmp_path: Path) -> None:
+    """A Ctrl-C while a pass ran its points left the previous pass's table.md and plots
+    beside the new sweep.json, the old points' numbers read as this sweep's."""
+    path = write_sweep(tmp_path, GRID_SWEEP)
+    out = tmp_path / "out"
+    run_sweep(path, out=out, run_fn=fake_run, validate=False)
+    assert (out / "table.md").is_file()
+
+    def stopped(task: PointTask) -> None:
+        raise KeyboardInterrupt
+
+    (tmp_path / "base.yaml").write_text(BASE_YAML + "title: changed\n", encoding="utf-8")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(path, out=out, run_fn=stopped, validate=False, jobs=1)
+    assert (out / "sweep.json").is_file()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(("table", "plot", "series"))]
+
+
 def test_failed_point_is_reported_and_others_finish(tmp_path: Path) -> None:
     body = "points:\n  - {label: ok, overrides: {}}\n  - {label: bad, overrides: {fail: true}}\n"
     path = write_sweep(tmp_path, body)
