@@ -252,5 +252,5 @@ def parse_log(text: str) -> list[LogEntry]:
             marked = None
         if verdict and entries and entries[-1].verdict is None:
             word = verdict.group(1).strip()
-            entries[-1].verdict = word + (" (incomplete run)" if _INCOMPLETE in line else "")
+            entries[-1].verdict = word + (_INCOMPLETE if _INCOMPLETE in line else "")
     return entries

@@ -174,10 +174,11 @@ def _same_profiles(
         recorded, where = facts.get("costs.profile.sha256"), facts.get("costs.profile.path")
         if recorded is None or where is None:
             continue
-        key = f"profile:{(base_dir / str(where)).resolve()}"
+        path = base_dir / str(where)
+        key = f"profile:{path.resolve()}"
         if key not in stamps:
             try:
-                stamps[key] = hashlib.sha256((base_dir / str(where)).read_bytes()).hexdigest()
+                stamps[key] = hashlib.sha256(path.read_bytes()).hexdigest()
             except OSError:
                 stamps[key] = None
         if stamps[key] != recorded:
