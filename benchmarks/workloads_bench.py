@@ -134,6 +134,7 @@ model: llama-3.3-70b
 cluster:
   instances:
     - {{role: C, count: 4, gpu: H100, gpus: 4}}
+  kv_connector: {{type: mooncake, role: kv_both, protocol: rdma}}
 workload:
   trace: {{path: {trace}, format: {fmt}}}
   block_tokens: {block_tokens}

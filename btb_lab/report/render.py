@@ -134,6 +134,26 @@ def engine_lines(runs: list[RunEntry]) -> list[str]:
     return lines
 
 
+def connector_lines(runs: list[RunEntry]) -> list[str]:
+    """Per run, the KV moves a policy decided that ran without a connector (`cluster.
+    kv_connector.type: none`), as both worlds run them: an offload on its decode instance,
+    a warm copy as a speculative prefill on its target."""
+    lines: list[str] = []
+    for entry in runs:
+        stats = {**(entry.extra.get("router") or {}), **(entry.extra.get("sim_stats") or {})}
+        said = [
+            f"{int(n):,} {what}"
+            for key, what in (
+                ("offloads_without_connector", "prefill offloads ran on their decode instance"),
+                ("warm_copies_as_prefills", "warm copies ran as speculative prefills"),
+            )
+            if (n := stats.get(key))
+        ]
+        if said:
+            lines.append(f"{entry.variant} r{entry.repeat + 1}: {', '.join(said)}")
+    return lines
+
+
 def _mib(value: float) -> str:
     return f"{value / 2**20:.2f}"
 
@@ -408,6 +428,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         "rule": describe.rule(hyp),
         "result_lines": result_lines(summary, hyp.baseline),
         "engine_lines": engine_lines(runs),
+        "connector_lines": connector_lines(runs),
         "kv_source_rows": kv_source_rows(runs),
         "comparisons": _comparisons(run),
         "statistics": _statistics(run),

@@ -197,6 +197,9 @@ class Engine(MixedSteps):
             )
         if p == d:
             p = None
+        elif p is not None and not self.moves_kv:  # no connector: prefilled where it decodes
+            self.stats["offloads_without_connector"] += 1
+            p = None
         rec = RequestRecord(
             variant=self.variant,
             repeat=self.repeat,

@@ -10,6 +10,8 @@ copy in flight to it when that beats recomputing (it is parked until the copy la
 
 from __future__ import annotations
 
+from typing import Any
+
 from btb_lab.policies.base import WarmAction
 from btb_lab.records import Request
 from btb_lab.sim.decode import TIME_EPS_S
@@ -23,6 +25,15 @@ __all__ = ["Transfers"]
 class Transfers(Scheduler):
     """The engine's KV movement, on top of the scheduling it feeds."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `cluster.kv_connector.type: none`: no connector moves KV, as on a real cluster
+        # (README, "Real clusters"): an offload runs on its decode instance alone and a warm
+        # copy is a speculative prefill of the prefix on its target
+        self.moves_kv = all(inst.spec.kv_connector for inst in self.insts)
+        if not self.moves_kv:
+            self.stats.update(offloads_without_connector=0, warm_copies_as_prefills=0)
+
     def _warm(self, req: Request, action: WarmAction) -> None:
         """Carry out one warm action a policy asked for at `req`'s arrival."""
         insts = self.insts
@@ -35,7 +46,9 @@ class Transfers(Scheduler):
             return
         if self.view_routed:
             target.routed.note(hashes)
-        if action.mode == "prefill":
+        if action.mode == "prefill" or not self.moves_kv:
+            if action.mode != "prefill":
+                self.stats["warm_copies_as_prefills"] += 1
             self.stats["warm_prefills"] += 1
             warm = WarmJob(hashes, len(hashes) * req.block_tokens, req.request_id)
             self._enqueue(target, warm)

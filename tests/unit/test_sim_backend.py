@@ -166,3 +166,35 @@ def test_kv_prefix_sharing_is_recorded_and_shortens_a_shared_prefix_burst() -> N
     # earlier ones to finish; shared, each prefills its own block right after the first
     assert t_share < 0.5 * t_whole
     assert m_share < m_whole  # the prefix is held once, not once per running request
+
+
+@pytest.mark.parametrize("connector", ["none", "nixl"])
+def test_offloads_without_a_connector_run_where_they_decode_and_the_report_says_so(
+    tmp_path: Path, connector: str
+) -> None:
+    """As on a real cluster (README, "Real clusters"), only a connector moves KV: under
+    `none` the prefill pool's offloads prefill on their decode instance."""
+    import pandas as pd
+
+    from tests.helpers import cli, write_small
+
+    path = write_small(tmp_path, **{
+        "    - {role: C, count: 2, gpu: H100, gpus: 4}": (
+            "    - {role: C, count: 2, gpu: H100, gpus: 4}\n"
+            "    - {role: PS, count: 1, gpu: H100, gpus: 4}\n"
+            f"  kv_connector: {{type: {connector}}}"),
+        "policy: round_robin": "policy: pd_split",
+    })  # fmt: skip
+    result = cli("run", path, "--out", tmp_path / "run", "--no-progress")
+    assert result.code == 0, result.output
+    records = pd.read_parquet(tmp_path / "run" / "requests.parquet")
+    offloaded = records[(records["variant"] == "fast") & records["prefill_instance"].notna()]
+    report = (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
+    if connector == "none":
+        assert offloaded.empty
+        assert "**Without a KV connector**" in report
+        assert "- fast r1: 60 prefill offloads ran on their decode instance" in report
+    else:
+        assert (offloaded["prefill_instance"] == "PS0").all()
+        assert len(offloaded) > 0
+        assert "Without a KV connector" not in report

@@ -59,8 +59,11 @@ class MatchThenLoad(Policy):
         return Decision(best.index)
 
 
-def nodes(n: int = 2) -> list[InstanceSpec]:
-    return [make_instance(i, f"C{i}", "C", H100, 4, LLAMA) for i in range(n)]
+def nodes(n: int = 2, *, connector: bool = True) -> list[InstanceSpec]:
+    """`n` instances of llama-3.3-70b on 4×H100, with a KV connector (without one no KV
+    moves between instances, as on a real cluster)."""
+    return [make_instance(i, f"C{i}", "C", H100, 4, LLAMA, kv_connector=connector)
+            for i in range(n)]  # fmt: skip
 
 
 def req(rid: str, t: float, blocks: tuple[int, ...], out: int = 2) -> Request:
@@ -168,6 +171,30 @@ def test_prefill_offload_ships_kv_to_the_decode_instance() -> None:
     assert recs["a"].first_token_s == pytest.approx(2048 * P_TOK + transfer / 80)
 
 
+def test_without_a_connector_no_kv_moves_as_on_a_real_cluster() -> None:
+    """`kv_connector: none` ran offloads and RDMA warm copies in the simulator all the
+    same, while the cluster backend prefills an offload on its decode instance and warms
+    by a speculative prefill: one file, two experiments. Now both worlds do the latter."""
+    offload = {"a": Decision(1, route="HEAVY_OFFLOAD", prefill_instance=0)}
+    r = Request("a", 0.0, 2048, 3, (1, 2, 3, 4), 512)
+    recs, eng = run([r], Scripted(offload), insts=nodes(connector=False))
+    rec = recs["a"]
+    assert (rec.instance, rec.prefill_instance, rec.route) == ("C1", None, "HEAVY_OFFLOAD")
+    assert rec.kv_transfer_s == 0.0
+    assert rec.first_token_s == pytest.approx(2048 * P_TOK)
+    assert eng.stats["offloads_without_connector"] == 1
+
+    shared = (1, 2, 3, 4)
+    warm = {"r2": Decision(1, route="WARM_HIT", warm=(WarmAction(source=0, target=1, n_blocks=4),))}
+    reqs = [req("r1", 0.0, (*shared, 100)), req("r2", 0.01, (*shared, 200))]
+    _, eng = run(reqs, Scripted(warm), insts=nodes(connector=False))
+    assert (eng.stats["warm_copies"], eng.stats["warm_prefills"]) == (0, 1)
+    assert eng.stats["warm_copies_as_prefills"] == 1
+    _, eng = run(reqs, Scripted(warm))
+    assert (eng.stats["warm_copies"], eng.stats["warm_prefills"]) == (1, 0)
+    assert "warm_copies_as_prefills" not in eng.stats
+
+
 def test_transferred_kv_reuse_for_later_turns() -> None:
     script = {"t1": Decision(1, prefill_instance=0)}
     turns = [req("t1", 0.0, (1, 2, 3)), req("t2", 5.0, (1, 2, 3, 4))]
@@ -193,7 +220,7 @@ def test_admission_pauses_decode_at_the_next_step_boundary() -> None:
 
 def test_connector_decode_slowdown_applies_to_connector_instances_only() -> None:
     r = Request("a", 0.0, 512, 50, (1,), 512)
-    plain, _ = run([r], Scripted({}))
+    plain, _ = run([r], Scripted({}), insts=nodes(connector=False), connector_decode_slowdown=0.25)
     with_conn = [make_instance(0, "C0", "C", H100, 4, LLAMA, kv_connector=True)]
     slowed, _ = run([r], Scripted({}), insts=with_conn, connector_decode_slowdown=0.25)
     assert slowed["a"].decode_s == pytest.approx(plain["a"].decode_s * 1.25)

@@ -85,7 +85,8 @@ def test_pd_split_by_hand_prefill_pool_then_transfer_then_decode_pool() -> None:
 
     llama, h100 = MODEL_PRESETS["llama-3.3-70b"], GPU_PRESETS["H100"]
     roles = ["PS", "PS", "C", "C"]
-    insts = [make_instance(i, f"{r}{i}", r, h100, 4, llama) for i, r in enumerate(roles)]
+    insts = [make_instance(i, f"{r}{i}", r, h100, 4, llama, kv_connector=True)
+             for i, r in enumerate(roles)]  # fmt: skip
     t1 = Request("t1", 0.0, 4 * 512, 3, (1, 2, 3, 4), 512, session_id="s")
     t2 = Request("t2", 5.0, 5 * 512, 3, (1, 2, 3, 4, 5), 512, session_id="s")
     recs, _ = run([t1, t2], build_policy("pd_split"), insts)
