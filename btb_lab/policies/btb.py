@@ -83,8 +83,9 @@ class BTBParams(CacheAwareParams):
     prefix_tokens: int | None = Field(
         None,
         ge=1,
-        description="Y in tokens instead of blocks: ceil(prefix_tokens / block_tokens) "
-        "blocks of each request. Set this or prefix_blocks, not both.",
+        description="Y in tokens instead of blocks: the prefix's full blocks, "
+        "floor(prefix_tokens / block_tokens) of each request (at least one; a block that "
+        "also holds suffix tokens differs per request). Set this or prefix_blocks, not both.",
     )
     replicas: int = Field(
         4,
@@ -208,8 +209,8 @@ class BTB(Policy):
 
     def prefix_len_blocks(self, request: Request) -> int:
         """Y for this request, in blocks."""
-        if self.cfg.prefix_tokens is not None:
-            return math.ceil(self.cfg.prefix_tokens / request.block_tokens)
+        if self.cfg.prefix_tokens is not None:  # the full blocks: a part block is per request
+            return max(1, self.cfg.prefix_tokens // request.block_tokens)
         return self.cfg.prefix_blocks
 
     def burst_count_for(self, request: Request, view: ClusterView) -> int:

@@ -158,7 +158,10 @@ def test_prefix_in_tokens_converts_per_request_block_size() -> None:
     policy = make_btb(prefix_tokens=65_536)
     assert policy.prefix_len_blocks(request(blocks=[1], block_tokens=512)) == 128
     assert policy.prefix_len_blocks(request(blocks=[1], block_tokens=16)) == 4096
-    assert policy.prefix_len_blocks(request(blocks=[1], block_tokens=1000)) == 66
+    # the full blocks alone: the 66th 1000-token block holds suffix tokens too, which
+    # differ per request, so a key of 66 blocks never repeated and BTB never fired
+    assert policy.prefix_len_blocks(request(blocks=[1], block_tokens=1000)) == 65
+    assert make_btb(prefix_tokens=100).prefix_len_blocks(request(blocks=[1])) == 1
     assert make_btb().prefix_len_blocks(request(blocks=[1], block_tokens=16)) == 128
 
 
