@@ -189,3 +189,14 @@ class SimSettings(StrictModel):
                 "(the shared prefix is the pinned, ref-counted cached blocks)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _match_tiers_need_resident(self) -> SimSettings:
+        """The routed view is the router's own record of where it sent prefixes, which has
+        no host-RAM tier: the setting would silently measure nothing."""
+        if self.router_match_tiers == "hbm_ram" and self.router_view == "routed":
+            raise ValueError(
+                "sim.router_match_tiers: hbm_ram needs sim.router_view: resident (the routed "
+                "view knows no host RAM)"
+            )
+        return self

@@ -276,6 +276,24 @@ def _move_aliases(
     return notes
 
 
+def _slowdowns_without_connector(hyp: Hypothesis) -> dict[PathKey, list[str]]:
+    """Where `sim.connector_decode_slowdown` is set for variants that run no connector:
+    the slowdown is the connector's, so it would change nothing. A top-level slowdown is
+    for the variants that run one (H1's baseline runs without), so it is refused only
+    when none does."""
+    resolved = {name: resolve_variant(hyp, name) for name in hyp.variants}
+    bare = [n for n, r in resolved.items() if r.cluster.kv_connector.type == "none"]
+    out: dict[PathKey, list[str]] = {}
+    for name in bare:
+        if resolved[name].sim.connector_decode_slowdown <= 0:
+            continue
+        if "connector_decode_slowdown" in hyp.variants[name].sim:
+            out[("variants", name, "sim", "connector_decode_slowdown")] = [f"variant {name}"]
+        elif len(bare) == len(resolved):
+            out.setdefault(("sim", "connector_decode_slowdown"), []).append(f"variant {name}")
+    return out
+
+
 def _variant_block_problems(
     hyp: Hypothesis, *, file: Path, data: dict[str, Any], lines: Mapping[PathKey, int],
     where: _Where,
@@ -351,6 +369,10 @@ def _semantic_problems(
                     add(("variants", name, "router", "policy"),
                         f"policy {variant.router.policy!r} needs at least one instance with "
                         f"role {role} in cluster.instances")  # fmt: skip
+        for where_set, names in _slowdowns_without_connector(hyp).items():
+            add(where_set, f"{', '.join(names)} run{'s' if len(names) == 1 else ''} no KV "
+                "connector (cluster.kv_connector.type: none), so no decode is slowed by one; "
+                "give a connector or leave this at 0")  # fmt: skip
 
     # cost profiles (top level and per variant), read and checked now, not at run time
     profiles: list[tuple[PathKey, Any]] = [(("costs",), hyp.costs.model)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from btb_lab.config.base import ParamsModel, StrictModel
 from btb_lab.policies.base import POLICIES, ClusterView, Decision, InstanceLoad, Policy
@@ -52,6 +52,13 @@ class LMetricParams(ParamsModel):
         description="With sticky_sessions: affinity breaks above this × the mean load "
         "(seed OVERLOAD_FACTOR).",
     )
+
+    @model_validator(mode="after")
+    def _overload_needs_sticky(self) -> LMetricParams:
+        """Without sticky sessions no affinity breaks: the factor would change nothing."""
+        if "overload_factor" in self.model_fields_set and not self.sticky_sessions:
+            raise ValueError("overload_factor needs sticky_sessions: true")
+        return self
 
 
 def lmetric_score(

@@ -813,3 +813,35 @@ def test_list_and_log_append_say_the_file_changed_since_its_run(tmp_path: Path) 
     logged = cli("log", "append", "HS", "--results", results, "--log", tmp_path / "LOG.md")
     assert logged.code == 0, logged.output
     assert f"warning: {path} changed since this run (verdict differs)" in logged.output
+
+
+# --------------------------------- settings that depend on another one, refused alone
+
+
+@pytest.mark.parametrize(
+    ("replace", "expected"),
+    [
+        ({"seed: 3": "seed: 3\nsim: {router_match_tiers: hbm_ram, router_view: routed}"},
+         "sim.router_match_tiers: hbm_ram needs sim.router_view: resident"),
+        ({"policy: round_robin}": "policy: lmetric, params: {overload_factor: 1.5}}"},
+         "overload_factor needs sticky_sessions: true"),
+        ({"seed: 3": "seed: 3\nsim: {connector_decode_slowdown: 0.2}"},
+         "sim.connector_decode_slowdown: variant base, variant fast run no KV connector"),
+    ],
+)  # fmt: skip
+def test_a_setting_that_would_change_nothing_alone_is_refused(
+    tmp_path: Path, replace: dict[str, str], expected: str
+) -> None:
+    """Each ran as if unset: a sweep over it measured a flat 'no effect'."""
+    refused(cli("validate", write_small(tmp_path, **replace)), expected)
+
+
+def test_a_connector_slowdown_for_the_variants_with_a_connector_is_kept(tmp_path: Path) -> None:
+    # H1's shape: the baseline runs without a connector, the variant with one
+    path = write_small(tmp_path, **{
+        "seed: 3": "seed: 3\nsim: {connector_decode_slowdown: 0.2}",
+        "    router: {policy: round_robin}": (
+            "    router: {policy: round_robin}\n    cluster: {kv_connector: {type: nixl}}"),
+    })  # fmt: skip
+    result = cli("validate", path)
+    assert result.code == 0, result.output
