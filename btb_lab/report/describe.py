@@ -34,7 +34,18 @@ def workload(hyp: Hypothesis) -> str:
         assert w.generator is not None
         params = ", ".join(f"{k}={v}" for k, v in sorted(w.generator.params.items()))
         source = f"generator `{w.generator.kind}`" + (f" ({params})" if params else "")
-    return source + SESSION_REPLAY_TEXT.get(w.session_replay, "")
+    shaped = []  # every other setting that changes what is replayed, where it is set
+    if w.offset:
+        shaped.append(f"from request {w.offset:,} on (offset)")
+    if w.window_gap_s:
+        shaped.append(f"windows {w.window_gap_s:g} s apart")
+    if w.variation is not None and w.variation.arrival_jitter_s:
+        shaped.append(f"arrivals jittered ±{w.variation.arrival_jitter_s:g} s per repeat")
+    if w.variation is not None and w.variation.resample_windows:
+        shaped.append("windows resampled with replacement per repeat")
+    return "".join([source, *(f", {text}" for text in shaped)]) + SESSION_REPLAY_TEXT.get(
+        w.session_replay, ""
+    )
 
 
 def variant_text(hyp: Hypothesis, name: str) -> str:

@@ -155,3 +155,25 @@ def test_the_decision_rule_line_names_every_scope_of_the_claim_and_its_guards() 
         "ttft_p90 in pool `art` decreases by at least 5% vs `a`; "
         "guards: ok_rate ≤ 1 pt worse, e2e_p90 in pool `mooncake` ≤ 10% worse"
     )
+
+
+def test_the_workload_line_names_every_setting_that_shapes_the_replay() -> None:
+    """Jitter, resampling, an offset and window gaps written in the file changed what was
+    replayed but not the report's words: two reports of different experiments read alike."""
+    from btb_lab.config.hypothesis import Hypothesis
+    from btb_lab.report import describe
+
+    def line(**workload: object) -> str:
+        return describe.workload(Hypothesis.model_validate({
+            "id": "x", "title": "t", "claim": "c",
+            "workload": {"trace": {"path": "t.jsonl"}, **workload},
+            "variants": {"a": {"router": {"policy": "least_load"}}}, "baseline": "a",
+            "verdict": {"metric": "ttft_p90"},
+        }))  # fmt: skip
+
+    assert line() == "trace `t.jsonl` (mooncake)"
+    assert line(offset=200, window_gap_s=30.0,
+                variation={"arrival_jitter_s": 2.0, "resample_windows": True}) == (
+        "trace `t.jsonl` (mooncake), from request 200 on (offset), windows 30 s apart, "
+        "arrivals jittered ±2 s per repeat, windows resampled with replacement per repeat"
+    )  # fmt: skip
