@@ -426,14 +426,18 @@ def _decide(
                 f"{'repeats point' if many else 'repeat points'} against the claimed "
                 f"{rule.direction} ({', '.join(against)}) and every repeat must agree"
             )
-        elif any(g.worse_by is None for g in failed_guards):  # no value: cannot be checked
-            verdict.word = INCONCLUSIVE
-            verdict.reason = f"{beyond}, but a guard cannot be checked: " + "; ".join(
-                _guard_text(g) for g in failed_guards
-            )
-        elif failed_guards:
+        elif any(g.worse_by is not None for g in failed_guards):  # a guard that failed
+            # decides, whatever another that cannot be checked would say
             verdict.word = PARTIAL
             verdict.reason = f"{beyond}, but guard failed: " + "; ".join(
+                _guard_text(g) for g in failed_guards if g.worse_by is not None
+            ) + "".join(
+                f"; cannot be checked: {_guard_text(g)}"
+                for g in failed_guards if g.worse_by is None
+            )  # fmt: skip
+        elif failed_guards:  # no value: cannot be checked
+            verdict.word = INCONCLUSIVE
+            verdict.reason = f"{beyond}, but a guard cannot be checked: " + "; ".join(
                 _guard_text(g) for g in failed_guards
             )
         elif reversed_:

@@ -269,6 +269,10 @@ def _statistics(run: AnalyzedRun) -> list[str]:
             'the minimum effect"; levels per comparison in the table); per-class checks '
             "unadjusted."
         )
+    elif len(primaries) >= 2 and rule.multiplicity == "holm":  # a family of one or none
+        defined = sum(c.p_value is not None for c in primaries.values())
+        lines.append(f"Multiplicity: {len(primaries)} comparisons, {defined} of them "
+                     "defined, so Holm's adjustment has nothing to adjust.")  # fmt: skip
     elif len(primaries) >= 2:
         lines.append(f"Multiplicity: {len(primaries)} comparisons, not adjusted "
                      "(`verdict.multiplicity: none`).")  # fmt: skip

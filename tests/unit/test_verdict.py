@@ -129,6 +129,20 @@ def test_a_guard_without_a_value_is_inconclusive_not_failed() -> None:
     assert "but a guard cannot be checked: OK rate (nope pool) undefined" in v.reason
 
 
+def test_a_failed_guard_decides_beside_one_that_cannot_be_checked() -> None:
+    """A guard on an empty pool made the verdict INCONCLUSIVE ("a guard cannot be
+    checked: OK rate worse by 79.6 pt…") while another guard had plainly failed, which no
+    further data could mend."""
+    guards = [{"metric": "ok_rate", "max_worse": 0.01, "pool": "nope"},
+              {"metric": "ok_rate", "max_worse": 0.01}]  # fmt: skip
+    rule = VerdictRule(metric="ttft_p90", min_effect=0.05, min_ok_requests=20, guards=guards)
+    rows = records("base", 1.0, seed=1) + records("new", 0.6, seed=2, fail=100)
+    v = judge([{**r, "source": "synthetic"} for r in rows], rule)
+    assert v.word == "PARTIALLY VALIDATED"
+    assert "but guard failed: OK rate worse by" in v.reason
+    assert v.reason.endswith("; cannot be checked: OK rate (nope pool) undefined")
+
+
 def test_a_class_guard_reads_the_requests_the_primary_reads() -> None:
     """Classes follow cached tokens, which routing changes: the variant labels only 30 of
     the baseline's 100 HEAVY requests HEAVY, and those 30 are its slow ones. A guard on
@@ -508,3 +522,25 @@ def test_an_ok_rate_claim_counts_the_requests_sent_not_the_successful_ones() -> 
     latency = judge(rows, VerdictRule(metric="ttft_p90", min_effect=0.05))
     assert latency.word == "INCONCLUSIVE"
     assert latency.reason.startswith("too few successful requests: 0 for new, 300 for base")
+
+
+def test_the_report_does_not_call_a_holm_family_of_one_unadjusted_by_choice() -> None:
+    """One of two comparisons undefined (every request failed): Holm has one to adjust,
+    and the report said "not adjusted (`verdict.multiplicity: none`)" of a file that
+    says holm."""
+    from types import SimpleNamespace
+
+    from btb_lab.report.render import _statistics
+
+    rule = VerdictRule(metric="ttft_p90", min_effect=0.05, min_ok_requests=20)
+    rows = (records("base", 1.0, seed=1) + records("new", 0.6, seed=2)
+            + records("dead", 1.0, seed=3, fail=300))  # fmt: skip
+    verdict = judge(rows, rule, variants=("base", "new", "dead"))
+    run = SimpleNamespace(hypothesis=SimpleNamespace(verdict=rule, baseline="base"),
+                          summary=SimpleNamespace(verdict=verdict))  # fmt: skip
+    lines = _statistics(run)  # type: ignore[arg-type]
+    assert (
+        "Multiplicity: 2 comparisons, 1 of them defined, so Holm's adjustment has nothing "
+        "to adjust." in lines
+    )
+    assert not any("multiplicity: none" in line for line in lines)
