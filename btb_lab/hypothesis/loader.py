@@ -454,6 +454,9 @@ def _semantic_problems(
     for i, klass in enumerate(rule.per_class):
         if klass not in class_names:
             add(("verdict", "per_class", i), _unknown_class(klass, class_names))
+    if rule.per_class and rule.metric in METRICS and METRICS[rule.metric].level != "request":
+        add(("verdict", "per_class"), f"metric {rule.metric!r} cannot be restricted to a class "
+            "(per-class checks would repeat the whole run's value)")  # fmt: skip
     for i, guard in enumerate(rule.guards):
         if guard.klass is not None and guard.klass not in class_names:
             add(("verdict", "guards", i, "class"), _unknown_class(guard.klass, class_names))

@@ -231,7 +231,12 @@ def _comparisons(run: AnalyzedRun) -> list[dict[str, str]]:
     rows = []
     metric = run.hypothesis.verdict.metric
     for name, vv in run.summary.verdict.variants.items():
-        comps = [vv.primary, *vv.per_class] if vv.primary else []
+        primary = vv.primary
+        if primary is None:
+            continue
+        # a declared class the primary is already scoped to is its row already
+        same = (primary.scope, primary.pool)
+        comps = [primary, *(c for c in vv.per_class if (c.scope, c.pool) != same)]
         for c in comps:
             scope = c.scope + (f", pool {c.pool}" if c.pool else "")
             p = "n/a" if c.p_value is None else f"{c.p_value:.3g}"

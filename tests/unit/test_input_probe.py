@@ -845,3 +845,9 @@ def test_a_connector_slowdown_for_the_variants_with_a_connector_is_kept(tmp_path
     })  # fmt: skip
     result = cli("validate", path)
     assert result.code == 0, result.output
+
+
+def test_per_class_checks_of_a_gpu_metric_are_refused(tmp_path: Path) -> None:
+    # they printed the whole run's value as a class's, with its own interval
+    path = write_small(tmp_path, **{"  metric: ttft_p90": "  metric: gpu_max\n  per_class: [LONG]"})
+    refused(cli("validate", path), "verdict.per_class: metric 'gpu_max' cannot be restricted")

@@ -544,3 +544,21 @@ def test_the_report_does_not_call_a_holm_family_of_one_unadjusted_by_choice() ->
         "to adjust." in lines
     )
     assert not any("multiplicity: none" in line for line in lines)
+
+
+def test_a_declared_class_the_verdict_is_scoped_to_is_one_comparison_row() -> None:
+    """`verdict.class: A` with `per_class: [A, B]` printed A's comparison twice."""
+    from types import SimpleNamespace
+
+    from btb_lab.report.render import _comparisons
+
+    rule = VerdictRule.model_validate(
+        {"metric": "ttft_p90", "class": "A", "per_class": ["A", "B"], "min_effect": 0.05}
+    )
+    rows = (records("base", 1.0, seed=1, classes=("A", "B"))
+            + records("new", 0.6, seed=2, classes=("A", "B")))  # fmt: skip
+    verdict = judge(rows, rule)
+    assert [c.scope for c in verdict.variants["new"].per_class] == ["A", "B"]
+    run = SimpleNamespace(hypothesis=SimpleNamespace(verdict=rule, baseline="base"),
+                          summary=SimpleNamespace(verdict=verdict))  # fmt: skip
+    assert [r["scope"] for r in _comparisons(run)] == ["A", "B"]  # type: ignore[arg-type]
