@@ -326,10 +326,19 @@ def _repeats_text(run: AnalyzedRun) -> str:
     if auto is None:
         return str(done)
     target = auto.half_width if auto.half_width is not None else hyp.verdict.min_effect
-    return (
+    text = (
         f"{done} (auto: {auto.min} to {auto.max}, until every primary interval's half-width "
-        f"is at most {target * 100:g} points)"
+        f"is at most {target * 100:g} points"
     )
+    widths = [vv.primary.half_width for vv in run.summary.verdict.variants.values()
+              if vv.primary is not None]  # fmt: skip
+    reached = all(w is not None and w <= target + 1e-12 for w in widths)
+    if done >= auto.max and not reached:  # the cap stopped it, said
+        known = [w for w in widths if w is not None]
+        widest = (f"the widest is {max(known) * 100:.1f} points" if len(known) == len(widths)
+                  else "an interval is undefined")  # fmt: skip
+        text += f"; not reached at the maximum, {widest}"
+    return text + ")"
 
 
 def _exclusion_text(run: AnalyzedRun) -> str:

@@ -562,3 +562,25 @@ def test_a_declared_class_the_verdict_is_scoped_to_is_one_comparison_row() -> No
     run = SimpleNamespace(hypothesis=SimpleNamespace(verdict=rule, baseline="base"),
                           summary=SimpleNamespace(verdict=verdict))  # fmt: skip
     assert [r["scope"] for r in _comparisons(run)] == ["A", "B"]  # type: ignore[arg-type]
+
+
+def test_auto_repeats_stopped_by_their_maximum_say_the_target_was_not_reached() -> None:
+    from types import SimpleNamespace
+
+    from btb_lab.config.hypothesis import AutoRepeats
+    from btb_lab.report.render import _repeats_text
+
+    rows = records("base", 1.0, seed=1, repeats=2) + records("new", 0.6, seed=2, repeats=2)
+    verdict = judge(rows)
+    width = verdict.variants["new"].primary.half_width
+
+    def text(half_width: float) -> str:
+        hyp = SimpleNamespace(repeats=2, verdict=VerdictRule(metric="ttft_p90"),
+                              auto_repeats=AutoRepeats(min=2, max=2, half_width=half_width))  # fmt: skip
+        run = SimpleNamespace(hypothesis=hyp, summary=SimpleNamespace(repeats=2, verdict=verdict))
+        return _repeats_text(run)  # type: ignore[arg-type]
+
+    assert text(width * 2).endswith(f"is at most {width * 200:g} points)")
+    assert text(width / 2).endswith(
+        f"; not reached at the maximum, the widest is {width * 100:.1f} points)"
+    )
