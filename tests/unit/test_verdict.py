@@ -575,8 +575,8 @@ def test_auto_repeats_stopped_by_their_maximum_say_the_target_was_not_reached() 
     width = verdict.variants["new"].primary.half_width
 
     def text(half_width: float) -> str:
-        hyp = SimpleNamespace(repeats=2, verdict=VerdictRule(metric="ttft_p90"),
-                              auto_repeats=AutoRepeats(min=2, max=2, half_width=half_width))  # fmt: skip
+        auto = AutoRepeats(min=2, max=2, half_width=half_width)
+        hyp = SimpleNamespace(repeats=2, verdict=VerdictRule(metric="ttft_p90"), auto_repeats=auto)
         run = SimpleNamespace(hypothesis=hyp, summary=SimpleNamespace(repeats=2, verdict=verdict))
         return _repeats_text(run)  # type: ignore[arg-type]
 
