@@ -418,6 +418,7 @@ def _gpu_side(
     `point_value`: which instance runs hot changes between repeats."""
     total = np.zeros(mult.shape[0])
     weight = np.zeros(mult.shape[0])
+    undefined = np.zeros(mult.shape[0], dtype=bool)  # drew a repeat with an idle instance
     for r, u in enumerate(units):
         if not len(u):
             continue
@@ -430,8 +431,9 @@ def _gpu_side(
         ok = np.isfinite(stat)
         total[drawn[ok]] += stat[ok] * mult[drawn[ok], r]
         weight[drawn[ok]] += mult[drawn[ok], r]
+        undefined[drawn[~ok]] = True
     with np.errstate(invalid="ignore", divide="ignore"):
-        return total / weight
+        return np.where(undefined, np.nan, total / weight)
 
 
 def gpu_draws(

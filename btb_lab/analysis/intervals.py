@@ -143,8 +143,12 @@ def point_value(units: Sequence[np.ndarray], metric: str) -> float:
         return math.nan
     stat = _stat_for(metric)
     if METRICS[metric].kind == "gpu":
-        values = [v for v in map(stat, units) if math.isfinite(v)]
-        return float(np.mean(values)) if values else math.nan
+        values = [stat(u) for u in units if len(u)]
+        # a repeat with an idle instance has no imbalance: nor have the repeats together
+        # (their mean without it would read better balanced than the run was)
+        if not values or not all(math.isfinite(v) for v in values):
+            return math.nan
+        return float(np.mean(values))
     return stat(np.concatenate(units))
 
 

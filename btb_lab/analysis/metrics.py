@@ -139,12 +139,15 @@ def gpu_stats(util: pd.DataFrame) -> GpuStats:
         values = [v for v in (getattr(s, name) for s in repeats) if v is not None]
         return float(np.mean(values)) if values else None
 
+    idle = sum(s.max is not None and s.imbalance is None for s in repeats)
     means = keyed.groupby("unit", sort=True)["utilization"].mean()
     return GpuStats(
-        imbalance=averaged("imbalance"),
+        imbalance=None if idle else averaged("imbalance"),
         std=averaged("std"),
         max=averaged("max"),
         per_instance={str(k): float(v) for k, v in means.items()},
+        idle_repeats=idle,
+        repeats=len(repeats),
     )
 
 

@@ -100,6 +100,10 @@ class GpuStats(_Stored):
     std: float | None = None
     max: float | None = None
     per_instance: dict[str, float] = Field(default_factory=dict)
+    # repeats in which an instance sat idle (mean 0): max / min is unbounded there, so
+    # the imbalance over the repeats is undefined, not the mean of the other repeats
+    idle_repeats: int = 0
+    repeats: int = 0
 
 
 class WarmSpend(_Stored):

@@ -100,6 +100,9 @@ def result_lines(summary: Summary, baseline: str) -> list[str]:
         gpu = v.gpu
         if gpu.max is not None:
             imbalance = "n/a" if gpu.imbalance is None else f"{gpu.imbalance:.2f}x"
+            if gpu.idle_repeats:
+                imbalance += (f" (an instance sat idle in {gpu.idle_repeats} of "
+                              f"{gpu.repeats} repeats)")  # fmt: skip
             std = gpu.std or 0.0
             lines.append(f"GPU imbalance={imbalance} std={std * 100:.1f}% max={gpu.max * 100:.1f}%")
         warm = v.warm

@@ -109,6 +109,28 @@ def test_gpu_imbalance_std_max_from_per_instance_means() -> None:
     assert g.max == pytest.approx(0.9)
 
 
+def test_an_instance_idle_in_a_repeat_leaves_the_imbalance_undefined() -> None:
+    """The repeat where an instance sat idle (max / min unbounded) was left out of the
+    mean, so a variant that starved an instance in 6 of 10 repeats read better balanced
+    than one that never did."""
+    from btb_lab.analysis.intervals import point_value
+
+    util = pd.DataFrame({
+        "variant": "v", "device": "sim", "time_s": 0,
+        "repeat": [0, 0, 1, 1],
+        "instance": ["a", "b", "a", "b"],
+        "utilization": [0.2, 0.4, 0.5, 0.0],
+    })  # fmt: skip
+    g = gpu_stats(util)
+    assert g.imbalance is None
+    assert (g.idle_repeats, g.repeats) == (1, 2)
+    assert g.max == pytest.approx((0.4 + 0.5) / 2)
+    units = [np.array([[0.2, 0.4]]), np.array([[0.5, 0.0]])]
+    assert np.isnan(point_value(units, "gpu_imbalance"))
+    assert point_value(units[:1], "gpu_imbalance") == pytest.approx(2.0)
+    assert gpu_stats(util[util["repeat"] == 0]).imbalance == pytest.approx(2.0)
+
+
 def test_cache_stats() -> None:
     c = cache_stats(frame([
         {"input_tokens": 100, "cached_tokens": 50, "cache_tier": "hbm"},
