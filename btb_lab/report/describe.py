@@ -85,4 +85,10 @@ def rule(hyp: Hypothesis) -> str:
         f"{scoped(r.metric, r.klass, r.pool)} {r.direction}s by at least "
         f"{r.min_effect * 100:g}% vs `{hyp.baseline}`"
     )
-    return text + ("; guards: " + ", ".join(map(guard_rule, r.guards)) if r.guards else "")
+    text += "; guards: " + ", ".join(map(guard_rule, r.guards)) if r.guards else ""
+    classes = [c for c in (r.klass, *(g.klass for g in r.guards)) if c]
+    if classes:  # routing moves requests between classes: the pairs are the baseline's
+        text += (f" ({', '.join(dict.fromkeys(classes))} as the baseline labels requests, "
+                 "both variants judged on the same requests; the Result's class rows label "
+                 "each variant's own)")  # fmt: skip
+    return text

@@ -157,6 +157,24 @@ def test_the_decision_rule_line_names_every_scope_of_the_claim_and_its_guards() 
     )
 
 
+def test_a_class_scoped_rule_says_whose_labels_the_class_is() -> None:
+    """The verdict on WARM reads the requests the baseline labels WARM (paired), the
+    Result block each variant's own WARM: "+15.7%" beside rows that read −5%, unexplained."""
+    from btb_lab.config.hypothesis import Hypothesis
+    from btb_lab.report import describe
+
+    hyp = Hypothesis.model_validate({
+        "id": "x", "title": "t", "claim": "c", "workload": {"generator": {"kind": "poisson"}},
+        "classes": [{"name": "WARM"}],
+        "variants": {"a": {"router": {"policy": "least_load"}}}, "baseline": "a",
+        "verdict": {"metric": "ttft_p90", "class": "WARM"},
+    })  # fmt: skip
+    assert describe.rule(hyp).endswith(
+        " (WARM as the baseline labels requests, both variants judged on the same requests; "
+        "the Result's class rows label each variant's own)"
+    )
+
+
 def test_the_workload_line_names_every_setting_that_shapes_the_replay() -> None:
     """Jitter, resampling, an offset and window gaps written in the file changed what was
     replayed but not the report's words: two reports of different experiments read alike."""
