@@ -412,26 +412,32 @@ def _gpu_of_means(means: np.ndarray, statistic: str) -> np.ndarray:
 def _gpu_side(
     units: Sequence[np.ndarray], mult: np.ndarray, statistic: str, rng: np.random.Generator
 ) -> np.ndarray:
-    """The GPU statistic per resample: the time samples of each drawn repeat drawn
-    uniformly (as counts), the statistic of that repeat's per-instance means, then the
-    mean over the drawn repeats (one drawn twice counts twice). Per repeat, as
-    `point_value`: which instance runs hot changes between repeats."""
+    """The GPU statistic per resample: for each draw of a repeat, its time samples drawn
+    uniformly (as counts), the statistic of that draw's per-instance means; then the mean
+    over every draw (a repeat drawn twice is two draws of its length, each its own
+    statistic, as `point_value` takes one per repeat: pooling the two into one longer
+    draw would shrink its spread). A resample that draws a repeat whose statistic is
+    undefined (an idle instance's imbalance) is undefined, as `point_value` is."""
     total = np.zeros(mult.shape[0])
     weight = np.zeros(mult.shape[0])
-    undefined = np.zeros(mult.shape[0], dtype=bool)  # drew a repeat with an idle instance
+    undefined = np.zeros(mult.shape[0], dtype=bool)
     for r, u in enumerate(units):
         if not len(u):
             continue
-        counts = _uniform_counts(mult[:, r] * len(u), len(u), rng).astype(float)
-        drawn = np.flatnonzero(mult[:, r] > 0)
         valid = ~np.isnan(u)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means = (counts[drawn] @ np.where(valid, u, 0.0)) / (counts[drawn] @ valid)
-        stat = _gpu_of_means(means, statistic)
-        ok = np.isfinite(stat)
-        total[drawn[ok]] += stat[ok] * mult[drawn[ok], r]
-        weight[drawn[ok]] += mult[drawn[ok], r]
-        undefined[drawn[~ok]] = True
+        filled = np.where(valid, u, 0.0)
+        times = mult[:, r]
+        for k in range(int(times.max(initial=0))):  # the (k+1)-th draw of this repeat
+            drawn = np.flatnonzero(times > k)
+            picks = np.full(drawn.size, len(u))
+            counts = _uniform_counts(picks, len(u), rng).astype(float)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                means = (counts @ filled) / (counts @ valid)
+            stat = _gpu_of_means(means, statistic)
+            ok = np.isfinite(stat)
+            total[drawn[ok]] += stat[ok]
+            weight[drawn[ok]] += 1.0
+            undefined[drawn[~ok]] = True
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(undefined, np.nan, total / weight)
 

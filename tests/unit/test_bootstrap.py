@@ -148,3 +148,17 @@ def test_uniform_counts_are_the_flat_counts_from_the_same_draws() -> None:
         assert got.dtype == want.dtype
         assert np.array_equal(got, want)
         assert mine.integers(1 << 40) == theirs.integers(1 << 40)
+
+
+def test_a_repeat_drawn_k_times_is_k_draws_of_its_own_length() -> None:
+    """A GPU resample that drew a repeat twice drew twice its time samples into one
+    statistic: a longer draw, so a smaller imbalance than any one repeat shows, and an
+    interval that is neither the point value's nor its spread's. Each draw now has the
+    repeat's length: the mean stays the one-draw mean and the spread shrinks as 1/√k."""
+    from btb_lab.analysis.bootstrap import _gpu_side
+
+    unit = np.random.default_rng(0).uniform(0.05, 1.0, (6, 2))  # 6 samples of 2 instances
+    draws = {k: _gpu_side([unit], np.full((20_000, 1), k), "imbalance",
+                          np.random.default_rng(1)) for k in (1, 4)}  # fmt: skip
+    assert abs(draws[4].mean() - draws[1].mean()) < 0.02
+    assert draws[4].std() == pytest.approx(draws[1].std() / 2, rel=0.1)
