@@ -9,7 +9,16 @@ OpenAI-compatible server, through the same HTTP client and clock as the load dri
   context at that time.
 
 Prompts are random token ids, fresh for every point, so no point hits another's cache by
-accident. Every point is measured `repeats` times and the median kept.
+accident; a calibration's prompts come from its seed, which is drawn anew for every
+calibration unless given (the same prompts sent twice would be served from the cache).
+One request is sent first and not measured (the connection and the server's first-request
+set-up). Every point is measured `repeats` times and the median kept.
+
+The server's own counts are checked where it reports them (`usage`): the cached tokens
+of each prefill point are the ones it reports (its block size may differ from the one
+assumed), a fresh part it already had cached means the prompts reached it before, and a
+decode stream must carry one event per token, spaced in time (a buffering proxy's burst,
+or an engine that stops early, would be read as impossibly fast steps).
 """
 
 from __future__ import annotations
@@ -67,6 +76,10 @@ class ProfileDesign:
         return [(b, n) for b in batches for n in lengths]
 
 
+# a decode step faster than this is no step: the stream's events arrived together
+MIN_STEP_S = 1e-4
+
+
 @dataclass
 class StreamStamps:
     """When one streamed completion was sent and when each of its chunks arrived."""
@@ -74,10 +87,23 @@ class StreamStamps:
     sent_s: float
     chunk_s: list[float] = field(default_factory=list)
     error: str | None = None
+    usage: dict[str, Any] | None = None  # the server's final counts, when it sends them
 
     @property
     def first_s(self) -> float | None:
         return self.chunk_s[0] if self.chunk_s else None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the server served from its prefix cache, where it says."""
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+        return int(value) if isinstance(value, int | float) else None
+
+    @property
+    def completion_tokens(self) -> int | None:
+        value = (self.usage or {}).get("completion_tokens")
+        return int(value) if isinstance(value, int | float) else None
 
 
 async def stream_stamps(client: Any, url: str, body: dict[str, Any], clock: RunClock
@@ -96,13 +122,34 @@ async def stream_stamps(client: Any, url: str, body: dict[str, Any], clock: RunC
                 if data == "[DONE]":
                     continue
                 now = clock.now()
-                if json.loads(data).get("choices"):
+                event = json.loads(data)
+                if not isinstance(event, dict):
+                    out.error = f"BadResponse: a stream event is a JSON {type(event).__name__}"
+                    return out
+                if event.get("error"):
+                    out.error = f"the server sent an error: {str(event['error'])[:200]}"
+                    return out
+                if isinstance(event.get("usage"), dict):
+                    out.usage = event["usage"]
+                if event.get("choices"):
                     out.chunk_s.append(now)
     except httpx.HTTPError as exc:
         out.error = type(exc).__name__
     except ValueError as exc:  # malformed JSON from the server
         out.error = f"BadResponse: {exc}"
+    if out.error is None and not out.chunk_s:
+        out.error = "no token streamed (the answer held no server-sent completion events)"
     return out
+
+
+async def warm_up(client: Any, url: str, model: str, vocab: int, rng: np.random.Generator,
+                  clock: RunClock) -> None:  # fmt: skip
+    """One request not measured: the first one pays for the connection and the server's
+    first-request set-up, which made the first point tens of milliseconds slower."""
+    res = await stream_stamps(client, url, completion_payload(model, _tokens(rng, 8, vocab), 2),
+                              clock)  # fmt: skip
+    if res.error:
+        raise RuntimeError(f"the first request failed: {res.error}")
 
 
 def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -115,11 +162,13 @@ async def measure_prefill(
     progress: Callable[[], None] = lambda: None,
 ) -> list[PrefillPoint]:  # fmt: skip
     """Time to first token of isolated requests over the design's prefill points."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, 0])  # the decode curve's prompts are stream 1
     clock = RunClock()
+    await warm_up(client, url, model, vocab, rng, clock)
     out: list[PrefillPoint] = []
     for n, c in design.prefill_points():
         times: list[float] = []
+        hits: list[int] = []
         for _ in range(design.repeats):
             prefix = _tokens(rng, c, vocab)
             if c:  # put the prefix in the cache first
@@ -131,8 +180,19 @@ async def measure_prefill(
             res = await stream_stamps(client, url, body, clock)
             if res.error or res.first_s is None:
                 raise RuntimeError(f"prefill of {n}+{c} tokens failed: {res.error}")
+            cached = res.cached_tokens
+            if cached is not None and cached >= c + design.block_tokens:
+                raise RuntimeError(
+                    f"prefill of {n}+{c} tokens: the server served {cached} of them from its "
+                    f"prefix cache, where {c} were put there: these prompts reached it before "
+                    f"(a calibration with the same --seed {seed}); give another --seed, or "
+                    "none, or restart the server"
+                )
+            hits.append(c if cached is None else min(cached, c + n))
             times.append(res.first_s - res.sent_s)
-        out.append(PrefillPoint(tokens=n, cached=c, seconds=statistics.median(times)))
+        # the cached part is what the server says it had (its blocks may not be ours)
+        hit = int(statistics.median(hits))
+        out.append(PrefillPoint(tokens=n + c - hit, cached=hit, seconds=statistics.median(times)))
         progress()
     return out
 
@@ -142,7 +202,7 @@ async def measure_decode(
     progress: Callable[[], None] = lambda: None,
 ) -> list[DecodePoint]:  # fmt: skip
     """Mean step time of `b` concurrent streams while all of them decode."""
-    rng = np.random.default_rng(seed + 1)
+    rng = np.random.default_rng([seed, 1])
     clock = RunClock()
     out: list[DecodePoint] = []
     t = design.decode_tokens
@@ -153,9 +213,10 @@ async def measure_decode(
             bodies = [completion_payload(model, _tokens(rng, n, vocab), t) for _ in range(b)]
             streams = await asyncio.gather(*(stream_stamps(client, url, body, clock)
                                              for body in bodies))  # fmt: skip
-            bad = [s.error for s in streams if s.error or len(s.chunk_s) < 3]
-            if bad:
-                raise RuntimeError(f"decode of {b} × {n} tokens failed: {bad[0]}")
+            bad = [_decode_problem(s, t) for s in streams]
+            if any(bad):
+                raise RuntimeError(f"decode of {b} × {n} tokens failed: "
+                                   + next(p for p in bad if p))  # fmt: skip
             # the window in which every stream is past its first token and not yet done
             start = max(s.chunk_s[0] for s in streams)
             end = min(s.chunk_s[-1] for s in streams)
@@ -181,3 +242,23 @@ async def measure_decode(
 
 def total_points(design: ProfileDesign) -> int:
     return len(design.prefill_points()) + len(design.decode_points())
+
+
+def _decode_problem(stream: StreamStamps, asked: int) -> str | None:
+    """Why a decode stream's events cannot time its steps, or None."""
+    if stream.error:
+        return stream.error
+    got = stream.completion_tokens
+    if got is not None and got != asked:
+        return (f"the server generated {got} tokens where {asked} were asked (ignore_eos "
+                "not honoured?)")  # fmt: skip
+    events = len(stream.chunk_s)
+    if events < 3 or events * 2 < asked:  # an event per token, give or take an empty one
+        return (
+            f"{events} stream events for {asked} tokens: step times are read one token "
+            "an event (a server that sends several tokens an event cannot be timed)"
+        )
+    gap = float(np.median(np.diff(stream.chunk_s)))
+    if gap < MIN_STEP_S:
+        return f"the tokens arrived together (median gap {gap * 1e6:.1f} µs): a proxy buffering?"
+    return None

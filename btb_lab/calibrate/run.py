@@ -119,12 +119,20 @@ def calibrate(
     *,
     name: str,
     repeats: int = 3,
-    seed: int = 0,
+    seed: int | None = None,
     holdout_every: int = 4,
+    request_timeout_s: float = 600.0,
     progress: Callable[[str, int], Callable[[], None]] | None = None,
 ) -> EngineProfile:
-    """Measure the target's prefill and decode curves and fit a profile."""
+    """Measure the target's prefill and decode curves and fit a profile. `seed` None: a
+    fresh one (recorded in the profile), so a second calibration against the same server
+    does not send the prompts its cache already holds."""
+    import secrets
+
     import httpx
+
+    if seed is None:
+        seed = secrets.randbits(32)
 
     from btb_lab.cluster.driver import run_async
 
@@ -135,7 +143,7 @@ def calibrate(
     url = target.base_url.rstrip("/") + "/v1/completions"
 
     async def measure() -> tuple[list[Any], list[Any]]:
-        timeout = httpx.Timeout(600.0, connect=10.0)
+        timeout = httpx.Timeout(request_timeout_s, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             tick = progress("prefill curve", len(design.prefill_points())) if progress else None
             prefill = await measure_prefill(client, url, target.model, design,
@@ -168,6 +176,7 @@ def calibrate(
         "max_context": target.max_context,
         "max_batch": target.max_batch,
         "settings": target.settings,
+        "seed": seed,  # of the prompts: `--seed` sends them again
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     return EngineProfile(

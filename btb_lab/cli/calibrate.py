@@ -31,7 +31,19 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", "-o", help="Profile file to write (YAML)."),
         name: str | None = typer.Option(None, "--name", help="Profile name (default: file stem)."),
         repeats: int = typer.Option(3, "--repeats", min=1, help="Measurements per point."),
-        seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+        seed: int | None = typer.Option(
+            None,
+            "--seed",
+            min=0,
+            help="Seed of the random prompts (default: a fresh one, recorded in the profile; "
+            "a server's prefix cache holds the prompts of a seed it was sent before).",
+        ),
+        request_timeout_s: float = typer.Option(
+            600.0,
+            "--request-timeout",
+            min=1.0,
+            help="Seconds one request may take before the calibration fails.",
+        ),
     ) -> None:
         """Measure prefill and decode curves and write a fitted cost profile.
 
@@ -42,6 +54,7 @@ def register(app: typer.Typer) -> None:
 
         launcher = None
         specs = None
+        _check_out(out)  # before the measuring, not after it
         if (hypothesis is None) == (endpoint is None):
             raise UserError("give a hypothesis file or --endpoint URL (one of them)")
         if endpoint is not None:
@@ -67,9 +80,11 @@ def register(app: typer.Typer) -> None:
                 with sigterm_raises(), launcher:
                     launcher.start(specs, label="calibrate")
                     profile = calibrate(target, name=name or out.stem, repeats=repeats,
-                                        seed=seed, progress=progress)  # fmt: skip
+                                        seed=seed, request_timeout_s=request_timeout_s,
+                                        progress=progress)  # fmt: skip
             else:
                 profile = calibrate(target, name=name or out.stem, repeats=repeats, seed=seed,
+                                    request_timeout_s=request_timeout_s,
                                     progress=progress)  # fmt: skip
         profile.save(out)
         for part in (profile.prefill, profile.decode):
@@ -91,4 +106,14 @@ def register(app: typer.Typer) -> None:
             f"decode step = {d.fixed_s * 1e3:.3f} ms + {d.per_seq_s * 1e6:.2f} µs/seq + "
             f"{d.per_context_token_s * 1e9:.3f} ns/context token"
         )
-        typer.echo(f"profile: {out}")
+        typer.echo(f"profile: {out} (prompts of seed {profile.measured_on.get('seed')})")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out the profile cannot be written to, before minutes of measuring."""
+    if out.is_dir():
+        raise UserError(f"--out {out}: a folder; name the profile file to write (e.g. "
+                        f"{out / 'profile.yaml'})")  # fmt: skip
+    folder = next((p for p in out.parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise UserError(f"--out {out}: {folder} is a file, not a folder")

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-__all__ = ["ParamsModel", "StrictModel"]
+__all__ = ["ParamsModel", "StrictModel", "numbers_only"]
 
 
 class StrictModel(BaseModel):
@@ -27,7 +27,7 @@ class StrictModel(BaseModel):
         integer, which the trace loader already refuses for its numbers."""
         if isinstance(value, bool) and info.field_name is not None:
             field = cls.model_fields.get(info.field_name)
-            if field is not None and _numbers_only(field.annotation):
+            if field is not None and numbers_only(field.annotation):
                 raise ValueError("Input should be a number, not true or false")
         return value
 
@@ -40,7 +40,7 @@ class ParamsModel(StrictModel):
     model_config = ConfigDict(defer_build=True)
 
 
-def _numbers_only(annotation: Any) -> bool:
+def numbers_only(annotation: Any) -> bool:
     """Whether a field takes numbers and no booleans (`int`, `float | None`, ...)."""
     if annotation in (int, float):
         return True

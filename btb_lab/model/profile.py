@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from btb_lab.config.base import numbers_only
 from btb_lab.errors import UserError
 from btb_lab.model.costmodel import InstanceCosts, RooflineCostModel
 
@@ -58,6 +59,16 @@ _FITTED_TO = (
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """`per_seq_s: true` is a slip, not 1 s a sequence (as in hypotheses)."""
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and numbers_only(field.annotation):
+                raise ValueError("Input should be a number, not true or false")
+        return value
 
 
 class FitQuality(_Strict):
@@ -141,7 +152,11 @@ class EngineProfile(_Strict):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        try:
+            tmp.replace(path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # no finished-looking copy left beside a failure
+            raise
 
 
 def load_profile(path: Path) -> tuple[EngineProfile, str]:
