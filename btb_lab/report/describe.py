@@ -88,7 +88,7 @@ def rule(hyp: Hypothesis) -> str:
     text += "; guards: " + ", ".join(map(guard_rule, r.guards)) if r.guards else ""
     classes = [c for c in (r.klass, *(g.klass for g in r.guards)) if c]
     if classes:  # routing moves requests between classes: the pairs are the baseline's
-        text += (f" ({', '.join(dict.fromkeys(classes))} as the baseline labels requests, "
-                 "both variants judged on the same requests; the Result's class rows label "
-                 "each variant's own)")  # fmt: skip
+        text += (f"; a class ({', '.join(dict.fromkeys(classes))}) is the requests the "
+                 "baseline labels so, both variants judged on them (the Result's class rows "
+                 "label each variant's own)")  # fmt: skip
     return text

@@ -170,8 +170,8 @@ def test_a_class_scoped_rule_says_whose_labels_the_class_is() -> None:
         "verdict": {"metric": "ttft_p90", "class": "WARM"},
     })  # fmt: skip
     assert describe.rule(hyp).endswith(
-        " (WARM as the baseline labels requests, both variants judged on the same requests; "
-        "the Result's class rows label each variant's own)"
+        "; a class (WARM) is the requests the baseline labels so, both variants judged on "
+        "them (the Result's class rows label each variant's own)"
     )
 
 
