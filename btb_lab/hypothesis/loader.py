@@ -276,6 +276,26 @@ def _move_aliases(
     return notes
 
 
+def _instances_that_do_not_fit(hyp: Hypothesis) -> dict[PathKey, str]:
+    """Per cluster block (the top level's, or a variant's own instances), why its model
+    does not fit an instance or leaves it no KV, as the simulator would say at its run."""
+    from btb_lab.model.hardware import build_instances
+
+    out: dict[PathKey, str] = {}
+    for name, variant in hyp.variants.items():
+        resolved = resolve_variant(hyp, name)
+        own = "instances" in variant.cluster
+        path: PathKey = ("variants", name, "cluster", "instances") if own else (
+            "cluster", "instances")  # fmt: skip
+        memory = resolved.costs.gpu_memory_utilization
+        try:
+            build_instances(resolve_model(resolved.model), resolved.cluster,
+                            gpu_memory_utilization=memory)  # fmt: skip
+        except UserError as exc:
+            out.setdefault(path, str(exc))
+    return out
+
+
 def _slowdowns_without_connector(hyp: Hypothesis) -> dict[PathKey, list[str]]:
     """Where `sim.connector_decode_slowdown` is set for variants that run no connector:
     the slowdown is the connector's, so it would change nothing. A top-level slowdown is
@@ -426,6 +446,9 @@ def _semantic_problems(
         if group.gpu.lower() not in gpu_names:
             add((*path, "gpu"), f"unknown GPU preset {group.gpu!r}; choose one of: "
                 + ", ".join(GPU_PRESETS))  # fmt: skip
+    if hyp.backend == "sim" and not problems and not block_problems:
+        for path, text in _instances_that_do_not_fit(hyp).items():  # found here, not mid-run
+            add(path, text)
 
     # workload: trace file relative to the hypothesis, formats, generator parameters
     try:

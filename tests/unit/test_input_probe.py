@@ -851,3 +851,11 @@ def test_per_class_checks_of_a_gpu_metric_are_refused(tmp_path: Path) -> None:
     # they printed the whole run's value as a class's, with its own interval
     path = write_small(tmp_path, **{"  metric: ttft_p90": "  metric: gpu_max\n  per_class: [LONG]"})
     refused(cli("validate", path), "verdict.per_class: metric 'gpu_max' cannot be restricted")
+
+
+def test_a_model_that_does_not_fit_is_refused_by_validate(tmp_path: Path) -> None:
+    # validate said ok; the run then stopped with no file or line
+    path = write_small(tmp_path, **{"gpus: 4}": "gpus: 1}"})
+    line = SMALL.splitlines().index("  instances:") + 1
+    refused(cli("validate", path), f"{path}:{line}: cluster.instances: instance C0 (1×H100",
+            "does not fit")  # fmt: skip
