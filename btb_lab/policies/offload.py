@@ -190,7 +190,7 @@ class PSAlways(_Offload):
     """H2: every HEAVY prefill on a prefill service, the session's instance decodes."""
 
     name: ClassVar[str] = "ps_always"
-    needs_roles: ClassVar[tuple[str, ...]] = ("PS",)  # its HEAVY prefills go to one
+    needs_roles: ClassVar[tuple[str, ...]] = ("PS", "C")  # HEAVY prefills on a PS, decodes on C
 
     def _heavy(
         self,
@@ -208,7 +208,7 @@ class PSFlexD(_Offload):
     session (it now holds this turn's KV)."""
 
     name: ClassVar[str] = "ps_flexd"
-    needs_roles: ClassVar[tuple[str, ...]] = ("PS",)  # its HEAVY prefills go to one
+    needs_roles: ClassVar[tuple[str, ...]] = ("PS", "C")  # HEAVY prefills on a PS, decodes on C
 
     def _heavy(
         self,
@@ -227,7 +227,7 @@ class PSCost(_Offload):
     """H2: ps_always only when the modeled cost says the prefill service is cheaper."""
 
     name: ClassVar[str] = "ps_cost"
-    needs_roles: ClassVar[tuple[str, ...]] = ("PS",)  # its HEAVY prefills go to one
+    needs_roles: ClassVar[tuple[str, ...]] = ("PS", "C")  # HEAVY prefills on a PS, decodes on C
     Params: ClassVar[type[StrictModel]] = PSCostParams
 
     def __init__(self, params: StrictModel, *, seed: int = 0) -> None:

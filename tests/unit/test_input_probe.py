@@ -859,3 +859,18 @@ def test_a_model_that_does_not_fit_is_refused_by_validate(tmp_path: Path) -> Non
     line = SMALL.splitlines().index("  instances:") + 1
     refused(cli("validate", path), f"{path}:{line}: cluster.instances: instance C0 (1×H100",
             "does not fit")  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["ps_always", "ps_flexd", "ps_cost"])
+def test_a_prefill_service_policy_without_a_c_instance_is_refused(
+    tmp_path: Path, policy: str
+) -> None:
+    # on a PS-only cluster its offloads decoded where they prefilled: no offload at all,
+    # while its records still said route PS
+    path = write_small(tmp_path, **{
+        "role: C, count: 2": "role: PS, count: 2",
+        "    router: {policy: round_robin}": f"    router: {{policy: {policy}}}",
+        "    router: {policy: least_load}": "    router: {policy: round_robin}",
+    })  # fmt: skip
+    refused(cli("validate", path),
+            f"'{policy}' needs at least one instance with role C in cluster.instances")  # fmt: skip
