@@ -26,6 +26,7 @@ from the presets.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,42 +72,51 @@ class _Strict(BaseModel):
         return value
 
 
+# every coefficient is at most an hour: beyond any engine, and a value like 1e300 (or
+# milliseconds typed as seconds a million-fold) overflowed the simulated clock mid-run
+MAX_COST_S = 3600.0
+
+
 class FitQuality(_Strict):
     """How well a fit reproduces its measurements."""
 
-    points: int = Field(description="Measured points the fit used.")
-    holdout_points: int = Field(0, description="Points held out of the fit.")
-    mape: float = Field(description="Mean absolute percentage error on the fitted points.")
-    holdout_mape: float | None = Field(None, description="The same on held-out points.")
-    max_abs_error_s: float = Field(description="Largest absolute residual, seconds.")
+    points: int = Field(ge=0, description="Measured points the fit used.")
+    holdout_points: int = Field(0, ge=0, description="Points held out of the fit.")
+    mape: float = Field(ge=0, description="Mean absolute percentage error on the fitted points.")
+    holdout_mape: float | None = Field(None, ge=0, description="The same on held-out points.")
+    max_abs_error_s: float = Field(ge=0, description="Largest absolute residual, seconds.")
 
 
 class PrefillFit(_Strict):
-    fixed_s: float = Field(ge=0, description="Fixed cost of one prefill (scheduling, HTTP).")
-    per_token_s: float = Field(ge=0, description="Per uncached prompt token.")
+    fixed_s: float = Field(
+        ge=0, le=MAX_COST_S, description="Fixed cost of one prefill (scheduling, HTTP)."
+    )
+    per_token_s: float = Field(ge=0, le=MAX_COST_S, description="Per uncached prompt token.")
     per_token_context_s: float = Field(
-        0.0, ge=0, description="Attention term: per (new token × context token)."
+        0.0, ge=0, le=MAX_COST_S, description="Attention term: per (new token × context token)."
     )
     per_cached_token_s: float = Field(
-        0.0, ge=0, description="Per cached prompt token brought into use."
+        0.0, ge=0, le=MAX_COST_S, description="Per cached prompt token brought into use."
     )
     fitted_to: str | None = Field(None, description=_FITTED_TO)
     quality: FitQuality | None = None
 
 
 class DecodeFit(_Strict):
-    fixed_s: float = Field(ge=0, description="Fixed cost of one decode step.")
-    per_seq_s: float = Field(0.0, ge=0, description="Per running sequence in the step.")
+    fixed_s: float = Field(ge=0, le=MAX_COST_S, description="Fixed cost of one decode step.")
+    per_seq_s: float = Field(
+        0.0, ge=0, le=MAX_COST_S, description="Per running sequence in the step."
+    )
     per_context_token_s: float = Field(
-        0.0, ge=0, description="Per context token (all sequences) read in the step."
+        0.0, ge=0, le=MAX_COST_S, description="Per context token (all sequences) read in the step."
     )
     fitted_to: str | None = Field(None, description=_FITTED_TO)
     quality: FitQuality | None = None
 
 
 class TransferFit(_Strict):
-    fixed_s: float = Field(ge=0, description="Fixed cost of one KV transfer.")
-    per_token_s: float = Field(ge=0, description="Per transferred token of KV.")
+    fixed_s: float = Field(ge=0, le=MAX_COST_S, description="Fixed cost of one KV transfer.")
+    per_token_s: float = Field(ge=0, le=MAX_COST_S, description="Per transferred token of KV.")
     fitted_to: str | None = Field(None, description=_FITTED_TO)
     quality: FitQuality | None = None
 
@@ -131,6 +141,18 @@ class EngineProfile(_Strict):
     points: list[dict[str, Any]] = Field(
         default_factory=list, description="The measured points (raw, for re-fitting)."
     )
+
+    @field_validator("points")
+    @classmethod
+    def _points_are_measurements(cls, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Counts and seconds of a measurement: finite and not negative (a point's values
+        are read back by a re-fit and counted in manifests)."""
+        for i, point in enumerate(points):
+            for key, value in point.items():
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if number and not (math.isfinite(value) and value >= 0):
+                    raise ValueError(f"point {i}: {key} {value!r} is not a finite count or time")
+        return points
 
     def prefill_s(self, tokens: float, cached_tokens: float = 0.0) -> float:
         p = self.prefill

@@ -173,3 +173,33 @@ def test_a_folder_as_out_is_refused_before_measuring(tmp_path: Path) -> None:
                  "--out", tmp_path)  # fmt: skip
     assert result.code == 2, result.output
     assert f"--out {tmp_path}: a folder" in result.output
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"prefill": {"fixed_s": 1e300}}, "prefill.fixed_s: Input should be less than"),
+        ({"points": [{"kind": "prefill", "tokens": -9, "cached": 0, "seconds": 0.1}]},
+         "points: Value error, point 0: tokens -9 is not a finite count or time"),
+        ({"decode": {"quality": {"points": 3, "mape": -3.0, "max_abs_error_s": 0.0}}},
+         "decode.quality.mape: Input should be greater than or equal to 0"),
+    ],
+)  # fmt: skip
+def test_implausible_profile_values_are_refused(
+    tmp_path: Path, change: dict, expected: str
+) -> None:
+    """1e300 s passed validate and failed mid-run with no file or line; a point of -9
+    tokens was counted as measured; a negative MAPE was shown as the fit's quality."""
+    import yaml
+
+    from btb_lab.errors import UserError
+    from btb_lab.model.profile import load_profile
+
+    shipped = Path(__file__).resolve().parents[2] / "hypotheses" / "profiles" / "seed-elastic.yaml"
+    data = yaml.safe_load(shipped.read_text(encoding="utf-8"))
+    for key, value in change.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    bad = tmp_path / "p.yaml"
+    bad.write_text(yaml.safe_dump(data), encoding="utf-8")
+    with pytest.raises(UserError, match=expected):
+        load_profile(bad)
