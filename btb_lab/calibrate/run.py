@@ -179,12 +179,28 @@ def calibrate(
         "seed": seed,  # of the prompts: `--seed` sends them again
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+    prefill = fit_prefill(prefill_points, holdout_every=holdout_every)
+    decode = fit_decode(decode_points, holdout_every=holdout_every)
+    held = sum(f.quality.holdout_points for f in (prefill, decode) if f.quality is not None)
+    unfitted = []
+    if design.max_batch < 2:  # batch 1 alone: a sequence's cost is the step's own
+        decode = decode.model_copy(
+            update={"fixed_s": decode.fixed_s + decode.per_seq_s, "per_seq_s": 0.0}
+        )
+        unfitted.append("decode.per_seq_s: one batch size measured (--max-batch 1), so it "
+                        "is 0 and the step's fixed cost holds it")  # fmt: skip
     return EngineProfile(
         name=name,
         description=f"Fitted by `btb-lab calibrate` to {total_points(design)} designed points "
-        f"({repeats} repeats each, median kept); every {holdout_every}th point held out.",
+        f"({repeats} repeats each, median kept); "
+        + (
+            f"every {holdout_every}th point of a curve held out ({held} in all)."
+            if held
+            else "none held out (too few points a curve)."
+        )
+        + "".join(f" Not measured: {text}." for text in unfitted),
         measured_on=measured_on,
-        prefill=fit_prefill(prefill_points, holdout_every=holdout_every),
-        decode=fit_decode(decode_points, holdout_every=holdout_every),
+        prefill=prefill,
+        decode=decode,
         points=points,
     )

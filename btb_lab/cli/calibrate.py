@@ -106,6 +106,8 @@ def register(app: typer.Typer) -> None:
             f"decode step = {d.fixed_s * 1e3:.3f} ms + {d.per_seq_s * 1e6:.2f} µs/seq + "
             f"{d.per_context_token_s * 1e9:.3f} ns/context token"
         )
+        if "Not measured:" in (profile.description or ""):
+            typer.echo("note: " + (profile.description or "").split("Not measured: ", 1)[1])
         typer.echo(f"profile: {out} (prompts of seed {profile.measured_on.get('seed')})")
 
 
