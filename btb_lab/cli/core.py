@@ -387,9 +387,10 @@ def register(app: typer.Typer) -> None:
                 table.add_row(name, ", ".join(params) or "-")
             Console(width=160).print(table)
             return
+        from btb_lab.hypothesis.changes import changed_since
         from btb_lab.report.listing import edited_notes, list_hypotheses, shared_ids
 
-        rows = list_hypotheses(hypotheses, results)
+        rows = list_hypotheses(hypotheses, results, changed_since)
         table = Table("id", "title", "file", "latest verdict", "run")
         for row in rows:
             verdict = (row.verdict or "-") + ("*" if row.edited else "")
@@ -402,14 +403,14 @@ def register(app: typer.Typer) -> None:
 def _say_if_edited(run_dir: Path) -> None:
     """A warning when the run's hypothesis file (where it ran from) changed since: its
     log entry is of the settings the run had, which the file no longer says."""
-    from btb_lab.report.listing import edited_since
+    from btb_lab.hypothesis.changes import changed_since
     from btb_lab.results import Manifest
 
     manifest = Manifest.load(run_dir)
     source = Path(manifest.hypothesis_file)
     if not source.is_file():
         return
-    edited = edited_since(source, manifest)
+    edited = changed_since(source, manifest.hypothesis)
     if edited is not None:
         typer.echo(f"warning: {source} changed since this run ({edited}): the entry is of "
                    "the settings the run had", err=True)  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,14 +12,7 @@ from btb_lab.errors import UserError, ValidationFailed
 from btb_lab.results import Manifest, full_runs
 from btb_lab.yamlio import compose_yaml
 
-__all__ = [
-    "HypothesisRow",
-    "edited_notes",
-    "edited_since",
-    "latest_verdicts",
-    "list_hypotheses",
-    "shared_ids",
-]
+__all__ = ["HypothesisRow", "edited_notes", "latest_verdicts", "list_hypotheses", "shared_ids"]
 
 
 @dataclass
@@ -29,37 +22,8 @@ class HypothesisRow:
     path: Path
     verdict: str | None
     run: str | None
-    # how the file changed since that run (`edited_since`), or None
+    # how the file changed since that run (`hypothesis.changes.changed_since`), or None
     edited: str | None = None
-
-
-def _resolved(data: dict[str, Any]) -> dict[str, Any]:
-    """A hypothesis as a manifest stores it, its defaults filled in by today's model (a
-    run stored before a field existed did not change for that)."""
-    from btb_lab.config import Hypothesis
-    from btb_lab.redact import redact_value
-
-    # stored by another version of the model: compared as stored
-    with contextlib.suppress(ValueError):
-        data = Hypothesis.model_validate(data).model_dump(mode="json", by_alias=True)
-    return dict(redact_value(data))
-
-
-def edited_since(path: Path, manifest: Manifest) -> str | None:
-    """How the hypothesis file at `path` differs from the settings its run `manifest` ran
-    ("verdict differs", "verdict, workload differ", "it no longer validates"), or None
-    when it runs the same. Comments and layout do not count."""
-    from btb_lab.hypothesis import load_hypothesis
-
-    try:
-        now = load_hypothesis(path).hypothesis.model_dump(mode="json", by_alias=True)
-    except (UserError, ValidationFailed):
-        return "it no longer validates"
-    now, then = _resolved(now), _resolved(manifest.hypothesis)
-    keys = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
-    if not keys:
-        return None
-    return ", ".join(keys) + (" differs" if len(keys) == 1 else " differ")
 
 
 def latest_verdicts(results: Path) -> dict[str, tuple[str, str]]:
@@ -84,8 +48,14 @@ def latest_verdicts(results: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
-    """Every `*.yaml` in `folder` that looks like a hypothesis, sorted by file name."""
+def list_hypotheses(
+    folder: Path,
+    results: Path,
+    changed: Callable[[Path, dict[str, Any]], str | None] | None = None,
+) -> list[HypothesisRow]:
+    """Every `*.yaml` in `folder` that looks like a hypothesis, sorted by file name.
+    `changed(file, resolved hypothesis a run stored)`: how the file changed since its
+    newest run, or None (the loader's stage, `hypothesis.changes.changed_since`)."""
     if not folder.is_dir():
         what = "a file" if folder.exists() else "not found"
         raise UserError(f"--hypotheses {folder}: {what}; name the folder of hypothesis files")
@@ -105,9 +75,9 @@ def list_hypotheses(folder: Path, results: Path) -> list[HypothesisRow]:
         title = str(title) if isinstance(title, str | int | float) else "(not text)"
         verdict, run = verdicts.get(hid, (None, None))
         edited = None
-        if run is not None:
+        if run is not None and changed is not None:
             try:
-                edited = edited_since(path, Manifest.load(Path(run)))
+                edited = changed(path, Manifest.load(Path(run)).hypothesis)
             except UserError:  # its manifest went unreadable meanwhile
                 edited = None
         rows.append(HypothesisRow(hid, title, path, verdict, run, edited))

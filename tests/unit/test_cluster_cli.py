@@ -89,7 +89,11 @@ def test_validation_refuses_a_cluster_hypothesis_with_no_served_checkpoint(
         )
     ]
     load_hypothesis(path, {"cluster.launch.served_model": "org/small"})
-    load_hypothesis(path, {"backend": "sim"})
+    # the simulator needs no checkpoint, but the default instance (1×H100) cannot hold the
+    # preset's weights: said at validation too
+    with pytest.raises(ValidationFailed, match="does not fit") as sim:
+        load_hypothesis(path, {"backend": "sim"})
+    assert not any("served_model" in problem for problem in sim.value.problems)
 
 
 def test_the_router_warns_only_when_it_listens_beyond_this_machine() -> None:
