@@ -265,14 +265,22 @@ def error_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _read_usage(result: StreamResult, usage: dict[str, Any] | None) -> None:
-    if not usage:
+def _count(value: Any) -> int | None:
+    """A token count the server reported, or None when it is not one (a string, a
+    negative or fractional number): never trusted into a record as it came."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value) if value >= 0 and float(value).is_integer() else None
+
+
+def _read_usage(result: StreamResult, usage: Any) -> None:
+    if not isinstance(usage, dict) or not usage:
         return
-    result.prompt_tokens = usage.get("prompt_tokens")
-    result.completion_tokens = usage.get("completion_tokens")
+    result.prompt_tokens = _count(usage.get("prompt_tokens"))
+    result.completion_tokens = _count(usage.get("completion_tokens"))
     details = usage.get("prompt_tokens_details") or {}
-    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-        result.cached_tokens = int(details["cached_tokens"])
+    if isinstance(details, dict):
+        result.cached_tokens = _count(details.get("cached_tokens"))
 
 
 async def stream_completion(
@@ -304,7 +312,10 @@ _STALE_CONNECTION_ERRORS = frozenset({"RemoteProtocolError", "ReadError", "Write
 
 
 def _read_choice(result: StreamResult, chunk: dict[str, Any]) -> None:
-    choice = chunk["choices"][0] if chunk.get("choices") else {}
+    choices = chunk.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    if not isinstance(choice, dict):
+        raise TypeError(f"a choice is a JSON {type(choice).__name__}, not an object")
     result.text += str(choice.get("text") or "")
     if choice.get("finish_reason") == "error" and result.error is None:
         result.error = "FinishError"
@@ -342,6 +353,8 @@ async def _stream_once(
             resp.raise_for_status()
             result.finish_s = clock.now()
             result.body = resp.json()
+            if not isinstance(result.body, dict):
+                raise TypeError(f"the answer is a JSON {type(result.body).__name__}")
             _read_choice(result, result.body)
             _read_usage(result, result.body.get("usage"))
             if result.error is not None:
@@ -365,6 +378,9 @@ async def _stream_once(
                     continue  # read to the end so the connection returns to the pool
                 now = clock.now()
                 chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    result.detail = data[:500]
+                    raise TypeError(f"a stream event is a JSON {type(chunk).__name__}")
                 if "error" in chunk and not chunk.get("choices"):
                     result.error = result.error or "StreamError"
                     result.detail = _error_message(chunk)
@@ -390,6 +406,7 @@ async def _stream_once(
         result.finish_s = None
     except (ValueError, KeyError, TypeError) as exc:  # malformed JSON from the server
         result.error = f"BadResponse:{type(exc).__name__}"
+        result.detail = result.detail or str(exc)[:500]
         result.finish_s = None
     return result
 
@@ -470,6 +487,7 @@ class LoadDriver:
         self.stats = DriverStats()
         self._lags: list[float] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._failed: list[BaseException] = []  # a request's task that raised: said, not lost
         self._total = 0
 
     async def run(self, requests: Sequence[Request]) -> DriverStats:
@@ -491,6 +509,8 @@ class LoadDriver:
                     self._send(req, send_s)
             while tasks:  # a finishing turn adds the turns it releases before it leaves
                 await asyncio.wait(set(tasks))
+            if self._failed:  # its record was never written: the run must not read complete
+                raise self._failed[0]
         finally:
             for task in tasks:
                 task.cancel()
@@ -505,8 +525,13 @@ class LoadDriver:
         gap: a later time is slept to; the driver's lag is measured from there)."""
         task = asyncio.create_task(self._one(req, due_s))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         self.stats.sent += 1
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._failed.append(task.exception())  # type: ignore[arg-type]
 
     async def _one(self, req: Request, due_s: float) -> None:
         delay = due_s - self.clock.now()

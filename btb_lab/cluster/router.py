@@ -363,7 +363,8 @@ class Router:
             finish_s=res.last_chunk_s if res.ok else None,
             input_tokens=request.input_tokens,
             output_tokens=output,
-            cached_tokens=int(res.cached_tokens or 0),
+            # at most the prompt: a server's count beyond it is no cache hit to report
+            cached_tokens=min(int(res.cached_tokens or 0), request.input_tokens),
             ok=res.ok,
             error=res.error,
             klass=request.klass,
