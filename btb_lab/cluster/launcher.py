@@ -253,8 +253,8 @@ def plan_instances(
 
 
 def plan_endpoints(cluster: ClusterSpec) -> list[Endpoint]:
-    """`endpoints:` mode: name and role each given URL by the instance groups when their
-    count matches, otherwise call them E0, E1, … with role C."""
+    """`endpoints:` mode: each given URL is an instance of the groups, in their order
+    (named and given its role by them; validation refuses another count)."""
     urls = [u.rstrip("/") for u in cluster.launch.endpoints or []]
     if not urls:
         raise UserError("cluster.launch.endpoints is empty")
@@ -262,7 +262,8 @@ def plan_endpoints(cluster: ClusterSpec) -> list[Endpoint]:
 
     names = _instance_names(cluster)
     if len(names) != len(urls):
-        names = [(f"E{i}", "C", 1) for i in range(len(urls))]
+        raise UserError(f"cluster.launch.endpoints lists {len(urls)} servers for the "
+                        f"{len(names)} instances of cluster.instances")  # fmt: skip
     boots = cluster.launch.bootstrap_ports
     if boots is not None and len(boots) != len(urls):
         raise UserError(

@@ -159,6 +159,19 @@ class ClusterSpec(StrictModel):
         default_factory=LaunchSettings, description="Real-cluster launch settings."
     )
 
+    @model_validator(mode="after")
+    def _an_endpoint_an_instance(self) -> ClusterSpec:
+        """Attached servers are the instances, in order: with another count their roles
+        were dropped (every one a C) while reports and the cost model kept the groups."""
+        urls = self.launch.endpoints
+        count = sum(group.count for group in self.instances)
+        if urls and self.launch.backend != "ray" and len(urls) != count:
+            raise ValueError(
+                f"launch.endpoints lists {len(urls)} servers for the {count} instances of "
+                "cluster.instances: one URL an instance, in the groups' order"
+            )
+        return self
+
 
 class RouterSpec(StrictModel):
     policy: str = Field(description="Registered policy name (see `btb-lab list --policies`).")

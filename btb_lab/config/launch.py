@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from btb_lab.config.base import StrictModel
 from btb_lab.config.limits import MIN_SAMPLE_INTERVAL_S
@@ -133,6 +133,29 @@ class LaunchSettings(StrictModel):
     max_connections: int = Field(
         2048, ge=1, description="Concurrent HTTP connections the load driver may open."
     )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _server_roots(cls, urls: list[str] | None) -> list[str] | None:
+        """Each an http(s) server root with a host and a valid port: a scheme-less, `ftp:`
+        or `/v1` URL ran and failed every request with exit 0."""
+        from urllib.parse import urlsplit
+
+        for i, url in enumerate(urls or []):
+            try:
+                parts = urlsplit(url)
+                port = parts.port
+            except ValueError as exc:
+                raise ValueError(f"endpoint {i} {url!r}: {exc}") from None
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"endpoint {i} {url!r}: give http://HOST:PORT (the server's "
+                                 "root)")  # fmt: skip
+            if parts.path.rstrip("/") or parts.query:
+                raise ValueError(f"endpoint {i} {url!r}: give the server's root, without "
+                                 f"{parts.path!r} (the requests go to /v1/completions under "
+                                 "it)")  # fmt: skip
+            del port
+        return urls
 
     @model_validator(mode="after")
     def _ray_launches(self) -> LaunchSettings:

@@ -111,3 +111,33 @@ def test_the_router_warns_only_when_it_listens_beyond_this_machine() -> None:
         assert free_port("::1") > 0  # instances on an IPv6 loopback get ports too
     assert http_url("::1", 8000) == "http://[::1]:8000"
     assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "expected"),
+    [
+        ("['http://127.0.0.1:9']",
+         "launch.endpoints lists 1 servers for the 2 instances of cluster.instances"),
+        ("['127.0.0.1:9', 'http://127.0.0.1:10']", "endpoint 0 '127.0.0.1:9': give http://"),
+        ("['ftp://h:9', 'http://h:10']", "endpoint 0 'ftp://h:9': give http://HOST:PORT"),
+        ("['http://h:99999', 'http://h:10']", "endpoint 0 'http://h:99999': Port out of range"),
+        ("['http://h:9/v1', 'http://h:10']", "give the server's root, without '/v1'"),
+    ],
+)  # fmt: skip
+def test_endpoints_that_cannot_be_the_instances_are_refused(
+    tmp_path: Path, endpoints: str, expected: str
+) -> None:
+    """They ran: every request failed (exit 0), or a 1×PS + 2×C cluster became E0, E1 of
+    role C with no offload while its report still said 1×PS + 2×C."""
+    text = (
+        "id: c\ntitle: t\nclaim: c\nbackend: cluster\n"
+        "workload:\n  generator: {kind: poisson}\n"
+        "variants:\n  a: {router: {policy: least_load}}\nbaseline: a\n"
+        "verdict: {metric: ttft_p50}\ncluster:\n  instances: [{role: C, count: 2}]\n"
+        f"  launch: {{served_model: m, endpoints: {endpoints}}}\n"
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValidationFailed) as info:
+        load_hypothesis(path)
+    assert any(expected in problem for problem in info.value.problems), info.value.problems
