@@ -15,6 +15,7 @@ server's (vLLM's histograms), the part of a measured latency the instrument adds
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -284,6 +285,24 @@ def _scores(
     return {v: value for v, value in values.items() if math.isfinite(value)}
 
 
+def _same_order(ref: dict[str, float], mod: dict[str, float], ranked: Sequence[str]
+                ) -> bool | None:  # fmt: skip
+    """Whether the two sides order every pair of variants alike; a pair one side ties
+    (the same value: identical policies on a deterministic simulator) is no disagreement,
+    whichever way the other side's noise splits it."""
+    if len(ranked) < 2:
+        return None
+    for a, b in itertools.combinations(ranked, 2):
+        one, other = ref[a] - ref[b], mod[a] - mod[b]
+        if one and other and (one > 0) != (other > 0):
+            return False
+    return True
+
+
+def _ties(scores: dict[str, float], ranked: Sequence[str]) -> list[str]:
+    return [f"{a} and {b}" for a, b in itertools.combinations(ranked, 2) if scores[a] == scores[b]]
+
+
 def _ranking(scores: dict[str, float], variants: Sequence[str], direction: str) -> list[str]:
     """Variants best first (the claimed direction is the better one)."""
     sign = 1.0 if direction == "decrease" else -1.0
@@ -410,6 +429,11 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
     if len(ranked) < len(variants) and len(variants) > 1:
         missing = ", ".join(v for v in variants if v not in ranked)
         warnings.append(f"ranking without {missing}: no {primary} on both sides")
+    for world, scores in ((ref_backend, ref_scores), (model_backend, mod_scores)):
+        tied = _ties(scores, ranked)
+        if tied:  # listed in some order; the comparison does not count it
+            warnings.append(f"{', '.join(tied)} tie on {primary} in the {world} run: the "
+                            "ranking's agreement leaves that pair out")  # fmt: skip
     offsets = [o for r in reference if r.backend == "cluster" for o in _driver_offsets(r)]
     return Comparison(
         hypothesis=hyp.id,
@@ -426,7 +450,7 @@ def compare_side_runs(runs: Sequence[SideRun], *, force: bool = False) -> Compar
         verdicts=verdicts,
         reference_ranking=ref_rank,
         model_ranking=mod_rank,
-        same_ranking=ref_rank == mod_rank if len(ranked) >= 2 else None,
+        same_ranking=_same_order(ref_scores, mod_scores, ranked),
         driver_offsets=offsets,
         warnings=warnings,
     )

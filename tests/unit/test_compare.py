@@ -234,3 +234,23 @@ def test_a_run_compared_with_itself_is_said(pair: tuple[Path, Path]) -> None:
     c = compare_runs([real, model, model.parent / "." / model.name])
     assert any("is given twice" in w for w in c.warnings), c.warnings
     assert not any("is given twice" in w for w in compare_runs([real, model]).warnings)
+
+
+def test_a_tie_on_one_side_is_no_different_order(pair: tuple[Path, Path]) -> None:
+    """Two variants the simulator gives the same TTFT (identical policies, a deterministic
+    engine) were listed in file order, and compare said "different order" of the real
+    run's noisy split."""
+    real, model = pair
+    frame = pd.read_parquet(model / "requests.parquet")
+    base = frame[frame["variant"] == "base"].set_index(["repeat", "request_id"])
+    fast = frame["variant"] == "fast"
+    keys = pd.MultiIndex.from_frame(frame.loc[fast, ["repeat", "request_id"]])
+    for column in ("sent_s", "first_token_s", "finish_s"):
+        frame.loc[fast, column] = base.loc[keys, column].to_numpy()
+    frame.to_parquet(model / "requests.parquet", index=False)
+    for run in (real, model):
+        _rule(run, metric="ttft_p50")
+    c = compare_runs([real, model])
+    assert c.reference_ranking == ["fast", "base"]
+    assert c.same_ranking is True
+    assert any("base and fast tie on ttft_p50 in the fake run" in w for w in c.warnings), c.warnings
