@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from btb_lab.calibrate.fit import DecodePoint, PrefillPoint
-from btb_lab.cluster.driver import RunClock, completion_payload, sse_data
+from btb_lab.cluster.driver import RunClock, completion_payload, sse_data, token_count
 
 __all__ = [
     "ProfileDesign",
@@ -97,13 +97,11 @@ class StreamStamps:
     def cached_tokens(self) -> int | None:
         """Prompt tokens the server served from its prefix cache, where it says."""
         details = (self.usage or {}).get("prompt_tokens_details") or {}
-        value = details.get("cached_tokens") if isinstance(details, dict) else None
-        return int(value) if isinstance(value, int | float) else None
+        return token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
 
     @property
     def completion_tokens(self) -> int | None:
-        value = (self.usage or {}).get("completion_tokens")
-        return int(value) if isinstance(value, int | float) else None
+        return token_count((self.usage or {}).get("completion_tokens"))
 
 
 async def stream_stamps(client: Any, url: str, body: dict[str, Any], clock: RunClock

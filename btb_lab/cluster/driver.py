@@ -38,6 +38,7 @@ __all__ = [
     "run_async",
     "sse_data",
     "stream_completion",
+    "token_count",
 ]
 
 
@@ -265,7 +266,7 @@ def error_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _count(value: Any) -> int | None:
+def token_count(value: Any) -> int | None:
     """A token count the server reported, or None when it is not one (a string, a
     negative or fractional number): never trusted into a record as it came."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -276,11 +277,11 @@ def _count(value: Any) -> int | None:
 def _read_usage(result: StreamResult, usage: Any) -> None:
     if not isinstance(usage, dict) or not usage:
         return
-    result.prompt_tokens = _count(usage.get("prompt_tokens"))
-    result.completion_tokens = _count(usage.get("completion_tokens"))
+    result.prompt_tokens = token_count(usage.get("prompt_tokens"))
+    result.completion_tokens = token_count(usage.get("completion_tokens"))
     details = usage.get("prompt_tokens_details") or {}
     if isinstance(details, dict):
-        result.cached_tokens = _count(details.get("cached_tokens"))
+        result.cached_tokens = token_count(details.get("cached_tokens"))
 
 
 async def stream_completion(
