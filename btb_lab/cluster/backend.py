@@ -261,9 +261,11 @@ class ClusterBackend:
             "backend": "cluster",
             "served_model": model,
             "vllm": _vllm_version(),
-            "device": launch.device,
+            # attached servers were started by someone else: their device and restarts
+            # are not known here, and not claimed
+            "device": "unknown (attached endpoints)" if launch.endpoints else launch.device,
             "kv_connector": hyp.cluster.kv_connector.model_dump(mode="json"),
-            "fresh_restart": launch.fresh_restart,
+            "fresh_restart": None if launch.endpoints else launch.fresh_restart,
             "router_view": "routed",
             "kv_visibility": "after_prefill",
             "request_timeout_s": launch.request_timeout_s,

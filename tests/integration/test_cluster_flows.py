@@ -337,6 +337,9 @@ def test_backend_attached_run_end_to_end(fakes: Any, tmp_path: Path) -> None:
     assert {r.instance for r in sink.records} <= {"C0", "C1"}
     assert result.fidelity["launch_mode"] == "attached"
     assert result.fidelity["backend"] == "cluster"
+    # servers someone else started: no device or restart is claimed for them
+    assert result.fidelity["device"] == "unknown (attached endpoints)"
+    assert result.fidelity["fresh_restart"] is None
     assert result.telemetry_source == "none"  # attached and no NVML: nothing to sample
     delta = result.extra["metrics"]["delta"]
     assert sum(d["prefix_cache_queries"] for d in delta.values()) == 8 * 64
