@@ -22,6 +22,7 @@ from btb_lab import runner, workers
 from btb_lab.errors import UserError
 from btb_lab.forks import fork_safe
 from btb_lab.records import Request
+from btb_lab.report import forked
 from tests.helpers import cli, write_small
 
 
@@ -257,6 +258,10 @@ def test_variants_in_workers_give_the_run_of_one_after_another(
     and the manifest's runs are those of `--jobs 1`."""
     if not fork_safe():
         pytest.skip("this process cannot fork workers")
+    # both runs draw their plots in this process: whether a run may fork its drawing
+    # child depends on the threads alive at that moment (`--jobs 1` redraws its progress
+    # on one), and a child forked from this test process can render text unlike it
+    monkeypatch.setenv(forked.ENV, "0")
     calls = _counting(monkeypatch)
     path = write_small(tmp_path, **{"repeats: 1": "repeats: 2"})
     one = cli("run", path, "--out", tmp_path / "one", "--jobs", "1")
