@@ -35,7 +35,8 @@ __all__ = [
     "simulate",
 ]
 
-ENGINE_VERSION = "3"  # 2: kv_prefix_sharing on by default; 3: prompt_cache_hit full_blocks
+ENGINE_VERSION = "4"  # 2: kv_prefix_sharing on by default; 3: prompt_cache_hit full_blocks;
+# 4: output fills the last prompt block's slack (sharing)
 _WRITE_BATCH = 4096
 
 

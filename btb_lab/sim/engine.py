@@ -31,7 +31,7 @@ from btb_lab.policies.base import Decision
 from btb_lab.records import Request, RequestRecord, UtilSample
 from btb_lab.sim.cache import SimInvariantError
 from btb_lab.sim.instance import PHASE_DECODE, PHASE_IDLE, utilization_samples
-from btb_lab.sim.jobs import PrefillJob, ReqJob, WarmJob, WarmLogEntry
+from btb_lab.sim.jobs import PrefillJob, ReqJob, WarmJob, WarmLogEntry, kv_need
 from btb_lab.sim.scheduler import PRI_ARRIVAL
 from btb_lab.sim.steps import MixedSteps
 from btb_lab.workload.sessions import SessionGate
@@ -235,7 +235,7 @@ class Engine(MixedSteps):
         if self.sharing and len(req.block_hashes) * self.block_tokens > prompt:
             prompt = len(req.block_hashes) * self.block_tokens
         if p is None:
-            self._enqueue(dinst, ReqJob(req, rec, prompt + req.output_tokens))
+            self._enqueue(dinst, ReqJob(req, rec, kv_need(prompt, req)))
         else:
             pinst = insts[p]
             pinst.load.outstanding_tokens += req.input_tokens

@@ -23,7 +23,15 @@ __all__ = [
     "WarmCopy",
     "WarmJob",
     "WarmLogEntry",
+    "kv_need",
 ]
+
+
+def kv_need(prompt_tokens: int, req: Request) -> int:
+    """KV tokens a request reserves to decode: its prompt as held (`prompt_tokens`, whole
+    hashed blocks with sharing) and its output, which first fills the slack of the prompt's
+    last block as in a paged cache; so `input + output` when that is more."""
+    return max(prompt_tokens, req.input_tokens + req.output_tokens)
 
 
 class ReqJob:

@@ -18,8 +18,8 @@ cache, a request holds two things while it runs:
   the HBM cache and are never evicted; when the last reference goes they become the most
   recently used unpinned (evictable) cache blocks.
 - *reserved* tokens: the rest of its prompt (counted in whole blocks for the hashed
-  part, as a paged cache allocates them) plus its output (none for a prefill done for
-  another instance).
+  part, as a paged cache allocates them) plus its output past the last prompt block's
+  slack (`jobs.kv_need`; none for a prefill done for another instance).
 
 The budget invariant is `pinned blocks × block_tokens + reserved <= kv_budget_tokens`, and
 the unpinned cache blocks fill what is left. Admission checks the same sum with the job's

@@ -16,7 +16,15 @@ from btb_lab.policies.base import WarmAction
 from btb_lab.records import Request
 from btb_lab.sim.decode import TIME_EPS_S
 from btb_lab.sim.instance import InstanceState
-from btb_lab.sim.jobs import KVJob, PrefillJob, ReqJob, WarmCopy, WarmJob, WarmLogEntry
+from btb_lab.sim.jobs import (
+    KVJob,
+    PrefillJob,
+    ReqJob,
+    WarmCopy,
+    WarmJob,
+    WarmLogEntry,
+    kv_need,
+)
 from btb_lab.sim.scheduler import EV_TRANSFER, PRI_TRANSFER, Scheduler
 
 __all__ = ["Transfers"]
@@ -159,8 +167,7 @@ class Transfers(Scheduler):
             pinst.cache.unpin(job.hashes, job.n_pin)
             job.n_pin = 0
         self._kick(pinst)
-        need = job.prompt_tokens + req.output_tokens
-        self._enqueue(inst, KVJob(req, job.rec, need, cold=job.cold))
+        self._enqueue(inst, KVJob(req, job.rec, kv_need(job.prompt_tokens, req), cold=job.cold))
 
     def _on_park(self, index: int, job: ReqJob | PrefillJob) -> None:
         """A job parked for a warm copy resumes, first in its queue (it waited all along,

@@ -124,7 +124,9 @@ def test_fit_to_figures_on_a_small_case() -> None:
                          fit_repeats=2, holdout_repeats=1, rel_tol=1e-3)  # fmt: skip
     p = fit.profile
     assert p.prefill.per_token_s == 1e-4
-    assert fit.tpot_fit_s == pytest.approx(0.03, rel=TPOT_REL_TOL)
+    # 400 requests: the percentile steps coarsely; the fit is the step nearest the figure
+    assert fit.tpot_fit_s == pytest.approx(0.03, rel=5e-3)
+    assert abs(fit.tpot_fit_s - 0.03) == min(abs(v - 0.03) for _, v in fit.evaluations)
     assert fit.tpot_holdout_s is not None
     assert fit.decode_scale > 1.0
     assert fit.evaluations[-1][0] == fit.decode_scale or any(

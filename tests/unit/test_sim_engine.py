@@ -238,6 +238,30 @@ def test_request_larger_than_the_kv_budget_fails_cleanly() -> None:
     assert sorted(policy.finished) == [("big", 0), ("ok", 0)]
 
 
+@pytest.mark.parametrize("sharing", [True, False])
+@pytest.mark.parametrize("offload", [False, True])
+def test_output_fills_the_last_prompt_blocks_slack(sharing: bool, offload: bool) -> None:
+    """With sharing a prompt holds whole blocks; its first output tokens go into the last
+    block's slack, as in a paged cache, so a request of `input + output` tokens that fit
+    the budget runs, prefilled where it decodes or received from a prefill instance (the
+    slack was counted twice: `ceil(input/block)·block + output`)."""
+    cap = nodes(1)[0].kv_budget_tokens
+    n_blocks = cap // 512
+    slack = 511
+    out = cap - n_blocks * 512 + 1  # past the budget only when the slack is counted twice
+    assert out <= slack
+    fits = Request("fits", 0.0, n_blocks * 512 - slack, out, tuple(range(n_blocks)), 512)
+    too_big = Request("too_big", 0.5, n_blocks * 512 - slack, slack + out, (), 512)
+    offloaded = Decision(1, "PS", prefill_instance=0)
+    policy = Scripted({"fits": offloaded, "too_big": offloaded} if offload else {})
+    recs, _ = run([fits, too_big], policy, insts=nodes(2), kv_prefix_sharing=sharing)
+    assert recs["fits"].ok, recs["fits"].error
+    assert recs["fits"].prefill_instance == ("C0" if offload else None)
+    assert recs["fits"].output_tokens == out
+    assert not recs["too_big"].ok
+    assert "KV tokens" in (recs["too_big"].error or "")
+
+
 def test_failed_offload_notifies_the_policy_with_its_decode_instance() -> None:
     """A prefill offload too big for its prefill instance fails there; the policy hears of
     it as of a finished request, for the instance it routed the request to (the decode
