@@ -299,12 +299,18 @@ async def stream_completion(
     finished with reason "error", fails the request too. A pooled keep-alive connection
     the server closed just before reuse is retried once: no response arrived, so the
     server never took the request. `timeout_s` replaces the client's read timeout for
-    this request; `on_first_token` is called when the first token arrives."""
+    this request; `on_first_token` is called when the first token arrives.
 
-    sent_s = clock.now()
-    result = await _stream_once(client, url, payload, clock, sent_s, timeout_s, on_first_token)
+    `sent_s` is when the request's headers start out on a connection (httpcore's trace),
+    so a wait for a free connection in the client's pool is send lag, not TTFT; a
+    transport without the trace stamps when the call starts. A retry keeps the first
+    attempt's stamp."""
+
+    result = await _stream_once(client, url, payload, clock, timeout_s, on_first_token)
     if result.status is None and result.error in _STALE_CONNECTION_ERRORS:
-        result = await _stream_once(client, url, payload, clock, sent_s, timeout_s, on_first_token)
+        sent_s = result.sent_s
+        result = await _stream_once(client, url, payload, clock, timeout_s, on_first_token)
+        result.sent_s = min(sent_s, result.sent_s)
         result.retried = True
     return result
 
@@ -334,14 +340,21 @@ async def _stream_once(
     url: str,
     payload: dict[str, Any],
     clock: RunClock,
-    sent_s: float,
     timeout_s: float | None = None,
     on_first_token: Callable[[], None] | None = None,
 ) -> StreamResult:
     import httpx
 
-    result = StreamResult(sent_s=sent_s)
-    extra: dict[str, Any] = {}
+    result = StreamResult(sent_s=clock.now())
+    on_wire = False
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        nonlocal on_wire
+        if not on_wire and event.endswith("send_request_headers.started"):
+            on_wire = True
+            result.sent_s = clock.now()
+
+    extra: dict[str, Any] = {"extensions": {"trace": trace}}
     if timeout_s is not None:
         timeout = httpx.Timeout(timeout_s, connect=client.timeout.connect, pool=timeout_s)
         extra["timeout"] = timeout

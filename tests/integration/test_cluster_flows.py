@@ -104,13 +104,14 @@ def fakes() -> Iterator[list[tuple[FakeVLLM, Endpoint]]]:
 def drive(
     endpoints: list[Endpoint], policy: Policy, requests: list[Request], *,
     connector: str = "none", timeout_s: float = 10.0, sessions: SessionGate | None = None,
+    max_connections: int = 64,
 ) -> tuple[ListSink, Router, Any]:  # fmt: skip
     clock = RunClock()
     sink = ListSink(clock)
 
     async def main() -> Any:
         async with make_client(
-            request_timeout_s=timeout_s, connect_timeout_s=5.0, max_connections=64
+            request_timeout_s=timeout_s, connect_timeout_s=5.0, max_connections=max_connections
         ) as client:
             router = Router(
                 endpoints, policy, ZeroCosts(), client=client, clock=clock, model="fake-model",
@@ -176,6 +177,26 @@ def test_stalled_server_is_a_recorded_read_timeout(tmp_path: Path) -> None:
     assert rec.finish_s is None
     assert stats.failed == 1
     assert stats.errors == {"ReadTimeout": 1}
+
+
+def test_a_wait_for_a_pooled_connection_is_send_lag_not_ttft() -> None:
+    """With one connection three requests due together go out one after another: each is
+    stamped sent when its headers go out, so TTFT is the server's and the wait shows as
+    send lag (stamped before the wait, the third's TTFT held the first two's service)."""
+    app = FakeVLLM(FakeConfig(stall_s=0.3))
+    with serve_in_thread(app) as url:
+        ep = Endpoint(0, "C0", "C", url)
+        sink, _, stats = drive([ep], Scripted(Decision(0)), [req(i) for i in range(3)],
+                               max_connections=1)  # fmt: skip
+    recs = sorted(sink.records, key=lambda r: r.sent_s)
+    assert [r.ok for r in recs] == [True] * 3
+    for before, after in itertools.pairwise(recs):
+        assert before.finish_s is not None
+        assert after.sent_s >= before.finish_s  # on the wire only once the connection freed
+    for r in recs:
+        assert r.first_token_s is not None
+        assert r.first_token_s - r.sent_s >= 0.3
+    assert stats.lag_max_ms >= 600
 
 
 def test_http_errors_and_refused_connections_are_recorded() -> None:
