@@ -271,11 +271,13 @@ def _statistics(run: AnalyzedRun) -> list[str]:
         )
     k = max((c.comparisons for c in primaries.values()), default=1)
     if any(c.adjustment == "holm" for c in primaries.values()):
+        half_alpha = (1 - rule.confidence) / 2
         lines.append(
             f"Multiplicity: {k} variants against `{run.hypothesis.baseline}`, primary "
             'intervals Holm-adjusted (step-down on the one-sided bootstrap p of "not beyond '
-            'the minimum effect"; levels per comparison in the table); per-class checks '
-            "unadjusted."
+            'the minimum effect"; levels per comparison in the table); a one-sided p '
+            f"passes below half of 1 − {rule.confidence:g}, so an adjusted p reads against "
+            f"{half_alpha:.3g}, not {2 * half_alpha:.3g}; per-class checks unadjusted."
         )
     elif len(primaries) >= 2 and rule.multiplicity == "holm":  # a family of one or none
         defined = sum(c.p_value is not None for c in primaries.values())

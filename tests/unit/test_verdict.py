@@ -546,6 +546,25 @@ def test_the_report_does_not_call_a_holm_family_of_one_unadjusted_by_choice() ->
     assert not any("multiplicity: none" in line for line in lines)
 
 
+def test_the_report_says_what_a_holm_adjusted_p_reads_against() -> None:
+    """The p is one-sided and a step passes below α/2 (the intervals are two-sided): the
+    table's "p (adjusted)" read against 0.05 let 0.03 look like a pass."""
+    from types import SimpleNamespace
+
+    from btb_lab.report.render import _statistics
+
+    rule = VerdictRule(metric="ttft_p90", min_effect=0.05, confidence=0.9)
+    rows = (records("base", 1.0, seed=1) + records("new", 0.6, seed=2)
+            + records("other", 0.8, seed=3))  # fmt: skip
+    verdict = judge(rows, rule, variants=("base", "new", "other"))
+    assert all(v.primary.adjustment == "holm" for v in verdict.variants.values() if v.primary)
+    run = SimpleNamespace(hypothesis=SimpleNamespace(verdict=rule, baseline="base"),
+                          summary=SimpleNamespace(verdict=verdict))  # fmt: skip
+    (line,) = [x for x in _statistics(run) if x.startswith("Multiplicity:")]  # type: ignore[arg-type]
+    assert "a one-sided p passes below half of 1 − 0.9" in line
+    assert "an adjusted p reads against 0.05, not 0.1" in line
+
+
 def test_a_declared_class_the_verdict_is_scoped_to_is_one_comparison_row() -> None:
     """`verdict.class: A` with `per_class: [A, B]` printed A's comparison twice."""
     from types import SimpleNamespace
