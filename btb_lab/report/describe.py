@@ -10,13 +10,18 @@ from btb_lab.config.workload import SESSION_REPLAY_TEXT
 __all__ = ["model", "rule", "topology", "variant_text", "workload"]
 
 
-def topology(hyp: Hypothesis) -> str:
+def topology(hyp: Hypothesis, backend: str = "sim") -> str:
+    """The declared instances and connector; on a cluster run against attached endpoints,
+    said to be declared only (someone else started those servers)."""
     groups = [f"{g.count}×{g.role} ({g.gpus}×{g.gpu})" for g in hyp.cluster.instances]
     conn = hyp.cluster.kv_connector
     text = " + ".join(groups)
     if conn.type != "none":
         roles = "".join(f", {r}: {k}" for r, k in sorted(conn.roles.items()))
         text += f", KV connector {conn.type} ({conn.role}{roles})"
+    if backend == "cluster" and hyp.cluster.launch.endpoints:
+        text += (f"; attached to {len(hyp.cluster.launch.endpoints)} endpoints: roles as "
+                 "declared, devices and connector not checked")  # fmt: skip
     return text
 
 

@@ -122,13 +122,22 @@ def engine_lines(runs: list[RunEntry]) -> list[str]:
     lines: list[str] = []
     for entry in runs:
         extra = entry.extra
-        rates = (extra.get("metrics") or {}).get("cache_hit_rate")
-        if not rates:
+        metrics = extra.get("metrics") or {}
+        rates = metrics.get("cache_hit_rate") or {}
+        # an instance whose /metrics failed has no rate: say so rather than leave it out
+        failed = {
+            name: f"{scrape['error']} at the {when}"
+            for when, key in (("start", "before"), ("end", "after"))
+            for name, scrape in sorted((metrics.get(key) or {}).items())
+            if isinstance(scrape, dict) and "error" in scrape
+        }
+        if not rates and not failed:
             continue
         shown = ", ".join(
-            f"{name} {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
-            for name, rate in sorted(rates.items())
-        )
+            [f"{name} {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
+             for name, rate in sorted(rates.items()) if name not in failed]
+            + [f"{name} n/a (/metrics failed: {why})" for name, why in sorted(failed.items())]
+        )  # fmt: skip
         line = f"{entry.variant} r{entry.repeat + 1}: prefix-cache hit {shown}"
         driver = extra.get("driver") or {}
         if driver.get("lag_p99_ms") is not None:
@@ -431,7 +440,7 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         "backend": summary.backend,
         "telemetry": manifest.telemetry_source or "",
         "model": describe.model(hyp),
-        "topology": describe.topology(hyp),
+        "topology": describe.topology(hyp, summary.backend),
         "workload": describe.workload(hyp),
         "requests": requests_per_run if requests_per_run is not None else "n/a",
         "time_scale": f"{hyp.workload.time_scale:g}",

@@ -344,6 +344,17 @@ def hypothesis_for(urls: list[str]) -> Hypothesis:
     )  # fmt: skip
 
 
+def test_an_attached_runs_topology_is_said_to_be_declared_only() -> None:
+    """The report showed "2×C (1×H100)" for servers someone else started."""
+    from btb_lab.report.describe import topology
+
+    hyp = hypothesis_for(["http://127.0.0.1:8001", "http://127.0.0.1:8002"])
+    attached = topology(hyp, "cluster")
+    assert attached.startswith("2×C (1×H100); attached to 2 endpoints")
+    assert "devices and connector not checked" in attached
+    assert topology(hyp, "sim") == "2×C (1×H100)"  # the simulator runs what is declared
+
+
 def test_backend_attached_run_end_to_end(fakes: Any, tmp_path: Path) -> None:
     hyp = hypothesis_for([ep.base_url for _, ep in fakes])
     sink = ListSink()

@@ -97,6 +97,22 @@ def test_engine_lines_show_per_instance_cache_hit_rates_of_real_runs() -> None:
         "least_load r1: prefix-cache hit C0 n/a, C1 12.5%; driver send lag p99 1.23 ms",
         "cache_aware r2: prefix-cache hit C0 50.0%, C1 75.0%",
     ]
+    # an instance whose /metrics failed was left out of the line, or the line was dropped
+    broken = [
+        entry("v", 0, {"metrics": {
+            "before": {"C0": {"x": 1.0}, "C1": {"error": "ConnectError"}},
+            "after": {"C0": {"x": 2.0}, "C1": {"x": 3.0}},
+            "cache_hit_rate": {"C0": 0.25, "C1": 0.9},
+        }}),
+        entry("v", 1, {"metrics": {
+            "before": {"C0": {"x": 1.0}}, "after": {"C0": {"error": "ReadTimeout"}},
+            "cache_hit_rate": {},
+        }}),
+    ]  # fmt: skip
+    assert engine_lines(broken) == [
+        "v r1: prefix-cache hit C0 25.0%, C1 n/a (/metrics failed: ConnectError at the start)",
+        "v r2: prefix-cache hit C0 n/a (/metrics failed: ReadTimeout at the end)",
+    ]
 
 
 def test_latest_verdicts_finds_runs_anywhere_and_skips_overridden_ones(tmp_path: Path) -> None:
