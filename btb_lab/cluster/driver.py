@@ -224,6 +224,7 @@ class StreamResult:
     status: int | None = None
     body: dict[str, Any] = field(default_factory=dict)  # non-streaming response JSON
     retried: bool = False  # a stale keep-alive connection was replaced once
+    new_connection: bool = False  # sent on a connection opened for it (httpcore's trace)
     text: str = ""  # the generated text (first choice)
     detail: str | None = None  # the server's own error message, when it sent one
 
@@ -298,8 +299,11 @@ async def stream_completion(
     (cancellation still propagates); an error event inside the stream, or a choice that
     finished with reason "error", fails the request too. A pooled keep-alive connection
     the server closed just before reuse is retried once: no response arrived, so the
-    server never took the request. `timeout_s` replaces the client's read timeout for
-    this request; `on_first_token` is called when the first token arrives.
+    server most likely never took the request. A connection opened for the request that
+    drops it is not retried: the server may have read it and died or closed on it, and
+    a second copy would be load the workload does not have. `timeout_s` replaces the
+    client's read timeout for this request; `on_first_token` is called when the first
+    token arrives.
 
     `sent_s` is when the request's headers start out on a connection (httpcore's trace),
     so a wait for a free connection in the client's pool is send lag, not TTFT; a
@@ -307,7 +311,8 @@ async def stream_completion(
     attempt's stamp."""
 
     result = await _stream_once(client, url, payload, clock, timeout_s, on_first_token)
-    if result.status is None and result.error in _STALE_CONNECTION_ERRORS:
+    stale = result.status is None and result.error in _STALE_CONNECTION_ERRORS
+    if stale and not result.new_connection:
         sent_s = result.sent_s
         result = await _stream_once(client, url, payload, clock, timeout_s, on_first_token)
         result.sent_s = min(sent_s, result.sent_s)
@@ -353,6 +358,8 @@ async def _stream_once(
         if not on_wire and event.endswith("send_request_headers.started"):
             on_wire = True
             result.sent_s = clock.now()
+        elif event == "connection.connect_tcp.started":
+            result.new_connection = True
 
     extra: dict[str, Any] = {"extensions": {"trace": trace}}
     if timeout_s is not None:

@@ -1,0 +1,107 @@
+"""The load driver's one retry: a request on a reused keep-alive connection the server
+closed is sent again; one on a connection opened for it that the server drops is not
+(the server may have taken it, and a second copy is load the workload does not have)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from btb_lab.cluster.driver import RunClock, StreamResult, stream_completion
+
+ANSWER = json.dumps({
+    "choices": [{"text": "hi", "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+}).encode()  # fmt: skip
+
+
+def _read_request(conn: socket.socket) -> bool:
+    """Read one HTTP request (headers and Content-Length body); False at end of stream."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return False
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += conn.recv(65536)
+    return True
+
+
+@contextmanager
+def raw_server(answered_per_connection: int) -> Iterator[tuple[str, list[int]]]:
+    """A server that answers the first `answered_per_connection` requests of each
+    connection and closes the connection after reading the next; yields its URL and the
+    number of requests it read on each connection."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    read: list[int] = []
+
+    def serve(conn: socket.socket) -> None:
+        index = len(read)
+        read.append(0)
+        with conn:
+            while _read_request(conn):
+                read[index] += 1
+                if read[index] > answered_per_connection:
+                    return  # read it whole, then close without an answer
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(ANSWER)}\r\n\r\n".encode()
+                    + ANSWER
+                )
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions", read
+    finally:
+        listener.close()
+
+
+def _send(url: str, times: int) -> list[StreamResult]:
+    async def main() -> list[StreamResult]:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1)) as client:
+            clock = RunClock()
+            return [
+                await stream_completion(client, url, {"prompt": [1, 2, 3]}, clock)
+                for _ in range(times)
+            ]
+
+    return asyncio.run(main())
+
+
+def test_a_fresh_connection_the_server_drops_is_not_retried() -> None:
+    with raw_server(answered_per_connection=0) as (url, read):
+        (result,) = _send(url, 1)
+    assert result.error == "RemoteProtocolError"
+    assert result.retried is False
+    assert read == [1]  # sent once: the server read it whole before it closed
+
+
+def test_a_reused_connection_the_server_closed_is_retried_once() -> None:
+    with raw_server(answered_per_connection=1) as (url, read):
+        first, second = _send(url, 2)
+    assert (first.ok, first.retried) == (True, False)
+    assert (second.ok, second.retried) == (True, True)
+    assert read == [2, 1]  # the second request went again on a new connection
