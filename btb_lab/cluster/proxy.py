@@ -86,6 +86,8 @@ class UpstreamHealth:
     failures: list[int] = field(default_factory=list)
     down_until: list[float] = field(default_factory=list)
     failovers: int = 0
+    dropped_streams: int = 0  # answers an upstream cut after its status went out
+    offloads_not_split: int = 0  # the proxy runs an offload decision on its decode instance
 
     def __post_init__(self) -> None:
         self.failures = [0] * len(self.names)
@@ -127,6 +129,8 @@ class UpstreamHealth:
                 for i, name in enumerate(self.names)
             ],
             "failovers": self.failovers,
+            "dropped_streams": self.dropped_streams,
+            "offloads_not_split": self.offloads_not_split,
         }
 
 
@@ -264,6 +268,10 @@ def build_proxy_app(
             health.succeeded(inst)
             break
         chosen = inst
+        router.count_route(route, chosen)
+        if decision.prefill_instance not in (None, chosen):
+            health.offloads_not_split += 1
+        event_stream = "text/event-stream" in resp.headers.get("content-type", "")
 
         async def relay() -> AsyncIterator[bytes]:
             first = True
@@ -273,6 +281,15 @@ def build_proxy_app(
                         router.state.prefilled(chosen, req.block_hashes)
                         first = False
                     yield chunk
+            except httpx.HTTPError as exc:
+                # the status went out already: end the stream with an error event (as
+                # vLLM's own mid-stream errors) rather than cut it and log a traceback
+                health.failed(chosen)
+                health.dropped_streams += 1
+                if event_stream:
+                    message = f"upstream {router.endpoints[chosen].name}: {type(exc).__name__}"
+                    error = {"error": {"message": message, "type": "upstream_error"}}
+                    yield b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"
             finally:
                 await resp.aclose()
                 router.state.end(chosen, tokens)

@@ -226,6 +226,14 @@ class Router:
     def _tag(self, kind: str, request: Request) -> str:
         return f"{kind}-{self.variant}-{self.repeat}-{request.request_id}-{next(self._ids)}"
 
+    def count_route(self, route: str, instance: int) -> None:
+        """Count one request routed `route` to `instance` (the load driver's and the
+        proxy's requests alike)."""
+        stats = self.stats
+        stats.routes[route] = stats.routes.get(route, 0) + 1
+        name = self.endpoints[instance].name
+        stats.per_instance[name] = stats.per_instance.get(name, 0) + 1
+
     # one request ------------------------------------------------------------------------
     async def dispatch(self, request: Request, target_s: float) -> RequestRecord:
         """Route, execute, and return the finished record (never raises for HTTP)."""
@@ -236,9 +244,7 @@ class Router:
                 f"({', '.join(sorted({a.kind for a in decision.cache}))}), which vLLM "
                 "cannot carry out per prefix (see btb_lab/policies/btb_cache.py)"
             )
-        self.stats.routes[decision.route] = self.stats.routes.get(decision.route, 0) + 1
-        name = self.endpoints[decision.instance].name
-        self.stats.per_instance[name] = self.stats.per_instance.get(name, 0) + 1
+        self.count_route(decision.route, decision.instance)
         prompt = self.prompt_fn(request)
         for action in decision.warm:
             self.start_warm(action, request, prompt)

@@ -5,9 +5,11 @@ connections is routed around — also under session affinity — with its failur
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any, ClassVar
 
 import httpx
@@ -163,3 +165,70 @@ def test_no_healthy_upstream_is_a_502_with_the_reason() -> None:
     assert resp.status_code == 502
     assert resp.json()["error"] == "no healthy upstream"
     assert [i["failures"] for i in resp.json()["health"]["instances"]] == [1, 1]
+
+
+def test_router_state_counts_the_proxys_routes(upstreams: list[Endpoint]) -> None:
+    """/router/state's stats never moved: the proxy routed without counting."""
+    policy = Scripted(Decision(instance=1, route="PICK", prefill_instance=0))
+    with serve(upstreams, policy) as url, httpx.Client(timeout=30) as c:
+        for _ in range(3):
+            assert c.post(url + "/v1/completions", json=BODY).status_code == 200
+        state = c.get(url + "/router/state").json()
+    assert state["stats"]["routes"] == {"PICK": 3}
+    assert state["stats"]["per_instance"] == {"C1": 3}
+    assert state["health"]["offloads_not_split"] == 3  # run on C1, the decode instance
+
+
+@contextmanager
+def cut_stream_server() -> Iterator[str]:
+    """Answers every request 200 with one SSE event of a chunked stream, then closes the
+    connection mid-stream."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    event = b'data: {"choices": [{"text": "a", "index": 0}]}\n\n'
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+                + f"{len(event):x}\r\n".encode() + event + b"\r\n"
+            )  # fmt: skip
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def test_an_upstream_cut_mid_stream_ends_it_with_an_error_event(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The status went out already: the client got a 200 stream cut short and the proxy
+    logged a traceback; now the stream ends with an error event the client can read."""
+    with cut_stream_server() as upstream:
+        endpoints = [Endpoint(0, "C0", "C", upstream)]
+        with serve(endpoints, Scripted(Decision(instance=0, route="X"))) as url, \
+                httpx.Client(timeout=30) as c:  # fmt: skip
+            resp = c.post(url + "/v1/completions", json=BODY)
+            health = c.get(url + "/router/state").json()["health"]
+    assert resp.status_code == 200
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[-1])["error"]["message"] == "upstream C0: RemoteProtocolError"
+    assert health["dropped_streams"] == 1
+    assert health["instances"][0]["failures"] == 1
+    assert "Traceback" not in capfd.readouterr().err
