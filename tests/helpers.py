@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 import subprocess
 import sys
+import threading
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,38 @@ __all__ = [
     "cli",
     "cli_subprocess",
     "python_env",
+    "raw_server",
     "write_small",
 ]
+
+
+@contextlib.contextmanager
+def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A TCP server on 127.0.0.1 that runs `handle` on each accepted connection (in its
+    own thread, the connection closed after): misbehaving HTTP servers, byte for byte.
+    Yields its root URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            handle(conn)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
 
 # Two instances, 60 Poisson requests, two variants: a full simulator run is about a second.
 SMALL = """\

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any, ClassVar
 
 import httpx
@@ -22,6 +21,7 @@ from btb_lab.cluster.proxy import build_proxy_app, make_router
 from btb_lab.policies import build_policy
 from btb_lab.policies.base import Decision, NoParams, Policy
 from btb_lab.records import Request
+from tests.helpers import raw_server
 
 
 class Scripted(Policy):
@@ -179,39 +179,17 @@ def test_router_state_counts_the_proxys_routes(upstreams: list[Endpoint]) -> Non
     assert state["health"]["offloads_not_split"] == 3  # run on C1, the decode instance
 
 
-@contextmanager
-def cut_stream_server() -> Iterator[str]:
-    """Answers every request 200 with one SSE event of a chunked stream, then closes the
-    connection mid-stream."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
+def cut_stream(conn: socket.socket) -> None:
+    """Answer 200 with one SSE event of a chunked stream, then close mid-stream."""
     event = b'data: {"choices": [{"text": "a", "index": 0}]}\n\n'
-
-    def serve_one(conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
-            conn.sendall(
-                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n"
-                + f"{len(event):x}\r\n".encode() + event + b"\r\n"
-            )  # fmt: skip
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        listener.close()
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+        + f"{len(event):x}\r\n".encode() + event + b"\r\n"
+    )  # fmt: skip
 
 
 def test_an_upstream_cut_mid_stream_ends_it_with_an_error_event(
@@ -219,7 +197,7 @@ def test_an_upstream_cut_mid_stream_ends_it_with_an_error_event(
 ) -> None:
     """The status went out already: the client got a 200 stream cut short and the proxy
     logged a traceback; now the stream ends with an error event the client can read."""
-    with cut_stream_server() as upstream:
+    with raw_server(cut_stream) as upstream:
         endpoints = [Endpoint(0, "C0", "C", upstream)]
         with serve(endpoints, Scripted(Decision(instance=0, route="X"))) as url, \
                 httpx.Client(timeout=30) as c:  # fmt: skip

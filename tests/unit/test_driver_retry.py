@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
 
 from btb_lab.cluster.driver import RunClock, StreamResult, stream_completion
+from tests.helpers import raw_server
 
 ANSWER = json.dumps({
     "choices": [{"text": "hi", "finish_reason": "length"}],
@@ -41,42 +41,27 @@ def _read_request(conn: socket.socket) -> bool:
 
 
 @contextmanager
-def raw_server(answered_per_connection: int) -> Iterator[tuple[str, list[int]]]:
-    """A server that answers the first `answered_per_connection` requests of each
-    connection and closes the connection after reading the next; yields its URL and the
+def answering(per_connection: int) -> Iterator[tuple[str, list[int]]]:
+    """A server that answers the first `per_connection` requests of each connection and
+    closes the connection after reading the next; yields its completions URL and the
     number of requests it read on each connection."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
     read: list[int] = []
 
-    def serve(conn: socket.socket) -> None:
+    def handle(conn: socket.socket) -> None:
         index = len(read)
         read.append(0)
-        with conn:
-            while _read_request(conn):
-                read[index] += 1
-                if read[index] > answered_per_connection:
-                    return  # read it whole, then close without an answer
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    + f"Content-Length: {len(ANSWER)}\r\n\r\n".encode()
-                    + ANSWER
-                )
+        while _read_request(conn):
+            read[index] += 1
+            if read[index] > per_connection:
+                return  # read it whole, then close without an answer
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(ANSWER)}\r\n\r\n".encode()
+                + ANSWER
+            )
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions", read
-    finally:
-        listener.close()
+    with raw_server(handle) as url:
+        yield url + "/v1/completions", read
 
 
 def _send(url: str, times: int) -> list[StreamResult]:
@@ -92,7 +77,7 @@ def _send(url: str, times: int) -> list[StreamResult]:
 
 
 def test_a_fresh_connection_the_server_drops_is_not_retried() -> None:
-    with raw_server(answered_per_connection=0) as (url, read):
+    with answering(per_connection=0) as (url, read):
         (result,) = _send(url, 1)
     assert result.error == "RemoteProtocolError"
     assert result.retried is False
@@ -100,7 +85,7 @@ def test_a_fresh_connection_the_server_drops_is_not_retried() -> None:
 
 
 def test_a_reused_connection_the_server_closed_is_retried_once() -> None:
-    with raw_server(answered_per_connection=1) as (url, read):
+    with answering(per_connection=1) as (url, read):
         first, second = _send(url, 2)
     assert (first.ok, first.retried) == (True, False)
     assert (second.ok, second.retried) == (True, True)
