@@ -271,16 +271,29 @@ def build_proxy_app(
         router.count_route(route, chosen)
         if decision.prefill_instance not in (None, chosen):
             health.offloads_not_split += 1
-        event_stream = "text/event-stream" in resp.headers.get("content-type", "")
+        # a plain event stream is relayed whole events at a time, so a cut upstream
+        # leaves no half event before the error event that ends it
+        event_stream = "text/event-stream" in resp.headers.get(
+            "content-type", ""
+        ) and not resp.headers.get("content-encoding")
 
         async def relay() -> AsyncIterator[bytes]:
             first = True
+            held = b""  # an event stream's bytes past its last complete event
             try:
                 async for chunk in resp.aiter_raw():
                     if first:
                         router.state.prefilled(chosen, req.block_hashes)
                         first = False
+                    if event_stream:
+                        held += chunk
+                        end = held.rfind(b"\n\n") + 2
+                        if end < 2:
+                            continue
+                        chunk, held = held[:end], held[end:]
                     yield chunk
+                if held:
+                    yield held
             except httpx.HTTPError as exc:
                 # the status went out already: end the stream with an error event (as
                 # vLLM's own mid-stream errors) rather than cut it and log a traceback
@@ -289,7 +302,7 @@ def build_proxy_app(
                 if event_stream:
                     message = f"upstream {router.endpoints[chosen].name}: {type(exc).__name__}"
                     error = {"error": {"message": message, "type": "upstream_error"}}
-                    yield b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"
+                    yield b"data: " + json.dumps(error).encode() + b"\n\n"
             finally:
                 await resp.aclose()
                 router.state.end(chosen, tokens)
