@@ -37,8 +37,9 @@ def register(app: typer.Typer) -> None:
             None,
             "--seed",
             min=0,
-            help="Master seed for every point. Points run with another seed are run again "
-            "in place; give --out to keep both.",
+            help="Master seed for every point (refused when the points set `seed` "
+            "themselves). Points run with another seed are run again in place; give --out "
+            "to keep both.",
         ),
         dry_run: bool = typer.Option(False, "--dry-run", help="List the points and exit."),
     ) -> None:

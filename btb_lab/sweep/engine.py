@@ -33,7 +33,7 @@ from btb_lab.errors import UserError
 from btb_lab.interrupts import Terminated
 from btb_lab.sweep.plan import PointTask, SweepPoint, expand_points, overrides_digest
 from btb_lab.sweep.series import point_series, write_series_plots
-from btb_lab.sweep.spec import LoadedSweep, load_sweep
+from btb_lab.sweep.spec import LoadedSweep, load_sweep, refuse_swept_seed
 from btb_lab.sweep.table import build_table, write_outputs
 from btb_lab.yamlio import compose_yaml
 
@@ -212,6 +212,9 @@ def plan_tasks(
     tasks, each with its own run directory."""
     base = str(loaded.base_path)
     chosen_seed = seed if seed is not None else loaded.spec.seed
+    points = expand_points(loaded.spec) if points is None else points
+    if chosen_seed is not None:
+        refuse_swept_seed(loaded, points, f"--seed {seed}" if seed is not None else None)
     return [
         PointTask(
             point_id=p.point_id,
@@ -221,7 +224,7 @@ def plan_tasks(
             run_dir=str((sweep_dir / "points" / p.point_id).resolve()),
             seed=chosen_seed,
         )
-        for p in (expand_points(loaded.spec) if points is None else points)
+        for p in points
     ]
 
 

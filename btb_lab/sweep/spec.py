@@ -9,7 +9,7 @@ as `btb_lab.hypothesis.load_hypothesis` accepts them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -313,3 +313,17 @@ def _refuse_duplicate_points(loaded: LoadedSweep) -> None:
         )
     if problems:
         raise ValidationFailed(problems)
+
+
+def refuse_swept_seed(loaded: LoadedSweep, points: Sequence[Any], flag: str | None) -> None:
+    """A sweep seed (`flag`, or the file's `seed:`) goes over every point's overrides: a
+    seed the points set themselves would be replaced in each, and their rows would
+    differ in label only."""
+    for point in points:
+        if "seed" in point.overrides:
+            where = flag or f"seed: {loaded.spec.seed} at line {loaded.line('seed')}"
+            origin = loaded.override_origins(point.labels, point.overrides)["seed"]
+            raise UserError(
+                f"{origin}: the points set their own seed, and the sweep's seed ({where}) "
+                "would replace it in every point; give one or the other"
+            )

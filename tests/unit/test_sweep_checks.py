@@ -91,3 +91,22 @@ def test_a_sweep_point_is_never_the_hypothesis_newest_full_run(
     from btb_lab.results.manifest import resolve_run_dir
 
     assert resolve_run_dir("HS") == Path("results/HS/mine")
+
+
+@pytest.mark.parametrize(
+    ("seed_line", "flags", "where"),
+    [("", ["--seed", "7"], "--seed 7"), ("seed: 9\n", [], "seed: 9 at line 5")],
+)
+def test_a_swept_seed_and_a_sweep_seed_are_refused_together(
+    tmp_path: Path, seed_line: str, flags: list[str], where: str
+) -> None:
+    """The sweep's seed went over every point's: rows `seed=1` and `seed=2` were the same
+    run under two labels."""
+    path = sweep_file(tmp_path, seed_line)
+    result = cli("sweep", path, "--dry-run", *flags)
+    assert result.code == 2, result.output
+    assert not result.traceback, result.output
+    assert (
+        f"{path}:4: grid.seed: the points set their own seed, and the sweep's seed ({where}) "
+        "would replace it in every point; give one or the other"
+    ) in result.err
