@@ -54,6 +54,9 @@ class RepeatVariation(StrictModel):
 
 
 # How a report's workload line says a closed replay (open says nothing: the default).
+# a block of 2^20 tokens is beyond any engine's; the bound keeps block arithmetic in int64
+MAX_BLOCK_TOKENS = 1 << 20
+
 SESSION_REPLAY_TEXT = {
     "closed": " with closed sessions (a turn is sent once its session's earlier turns finish)",
     "closed_think": " with closed sessions and think times (a turn is sent its trace gap after "
@@ -84,7 +87,9 @@ class WorkloadSpec(StrictModel):
         description="Idle seconds between consecutive windows (trace_ids): windows replay "
         "one after another on one timeline, never overlapping.",
     )
-    block_tokens: int = Field(512, ge=1, description="Tokens per prefix-hash block.")
+    block_tokens: int = Field(
+        512, ge=1, le=MAX_BLOCK_TOKENS, description="Tokens per prefix-hash block."
+    )
     session_replay: Literal["open", "closed", "closed_think"] = Field(
         "open",
         description="open: every request is sent at its arrival time, as the trace recorded "

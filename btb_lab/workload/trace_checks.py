@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
+from btb_lab.config.workload import MAX_BLOCK_TOKENS
 from btb_lab.errors import UserError
 
 __all__ = [
@@ -65,9 +66,15 @@ def trace_stem(path: Path) -> str:
 def check_block_tokens(block_tokens: object, where: str = "block_tokens") -> None:
     """Refuse a block size below 1 token (`where` names the flag or field): a prompt of n
     tokens has ceil(n / block_tokens) blocks, which 0 cannot give and a negative size
-    turns into a negative count."""
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-        raise UserError(f"{where} must be an integer ≥ 1 (got {block_tokens!r})")
+    turns into a negative count; and one above MAX_BLOCK_TOKENS, past int64 arithmetic."""
+    if (
+        isinstance(block_tokens, bool)
+        or not isinstance(block_tokens, int)
+        or not 1 <= block_tokens <= MAX_BLOCK_TOKENS
+    ):
+        raise UserError(
+            f"{where} must be an integer from 1 to {MAX_BLOCK_TOKENS:,} (got {block_tokens!r})"
+        )
 
 
 def unreadable_parquet(path: Path, exc: BaseException) -> UserError:

@@ -75,21 +75,22 @@ def refused(result: Any, *expected: str) -> None:
 # ------------------------------------------------------------- (1) block size below 1
 
 
-@pytest.mark.parametrize("block_tokens", ["0", "-512"])
+@pytest.mark.parametrize("block_tokens", ["0", "-512", "1048577", "99999999999999999999999"])
 @pytest.mark.parametrize("command", ["inspect", "audit"])
-def test_block_tokens_below_one_names_the_flag(
+def test_block_tokens_out_of_range_names_the_flag(
     tmp_path: Path, command: str, block_tokens: str
 ) -> None:
+    """Past int64 the block arithmetic raised OverflowError, a traceback."""
     trace = _write(tmp_path / "one.jsonl", [ONE_ROW])
     result = cli("trace", command, trace, "--block-tokens", block_tokens)
-    refused(result, f"--block-tokens must be an integer ≥ 1 (got {block_tokens})")
+    refused(result, f"--block-tokens must be an integer from 1 to 1,048,576 (got {block_tokens})")
     assert "allows at most" not in result.output
 
 
 def test_generate_refuses_block_tokens_below_one(tmp_path: Path) -> None:
     out = tmp_path / "g.jsonl"
     refused(cli("trace", "generate", "poisson", "-o", out, "--block-tokens", "0"),
-            "--block-tokens must be an integer ≥ 1 (got 0)")  # fmt: skip
+            "--block-tokens must be an integer from 1 to 1,048,576 (got 0)")  # fmt: skip
     assert not out.exists()
 
 
@@ -100,13 +101,15 @@ def test_loaders_refuse_block_tokens_below_one(
     tmp_path: Path, fmt: str, suffix: str, block_tokens: int
 ) -> None:
     path = _write(tmp_path / f"t{suffix}", _rows(fmt, 2))
-    expected = rf"block_tokens must be an integer ≥ 1 \(got {block_tokens}\)"
+    expected = rf"block_tokens must be an integer from 1 to 1,048,576 \(got {block_tokens}\)"
     with pytest.raises(UserError, match=expected):
         load_trace(path, fmt, block_tokens=block_tokens)
 
 
 def test_generators_refuse_block_tokens_below_one() -> None:
-    with pytest.raises(UserError, match=r"block_tokens must be an integer ≥ 1 \(got 0\)"):
+    with pytest.raises(
+        UserError, match=r"block_tokens must be an integer from 1 to 1,048,576 \(got 0\)"
+    ):
         GenContext(seed=0, block_tokens=0)
 
 
