@@ -1,13 +1,23 @@
 """The hypothesis in words, as the report states what produced its verdict: model,
-topology, workload, variants and the decision rule with every scope it has."""
+topology, workload, variants and the decision rule with every scope it has; and what the
+runs' engines and router said beside the records (cache hits, KV moves not made)."""
 
 from __future__ import annotations
 
 from btb_lab.config.hypothesis import Guard, Hypothesis
 from btb_lab.config.metrics import METRICS
 from btb_lab.config.workload import SESSION_REPLAY_TEXT
+from btb_lab.results import RunEntry
 
-__all__ = ["model", "rule", "topology", "variant_text", "workload"]
+__all__ = [
+    "connector_lines",
+    "engine_lines",
+    "model",
+    "rule",
+    "topology",
+    "variant_text",
+    "workload",
+]
 
 
 def topology(hyp: Hypothesis, backend: str = "sim") -> str:
@@ -97,3 +107,53 @@ def rule(hyp: Hypothesis) -> str:
                  "baseline labels so, both variants judged on them (the Result's class rows "
                  "label each variant's own)")  # fmt: skip
     return text
+
+
+def engine_lines(runs: list[RunEntry]) -> list[str]:
+    """Per run, what the engines themselves reported (real clusters only): each instance's
+    prefix-cache hit rate over the run from vLLM's /metrics, and the load driver's lag."""
+    lines: list[str] = []
+    for entry in runs:
+        extra = entry.extra
+        metrics = extra.get("metrics") or {}
+        rates = metrics.get("cache_hit_rate") or {}
+        # an instance whose /metrics failed has no rate: say so rather than leave it out
+        failed = {
+            name: f"{scrape['error']} at the {when}"
+            for when, key in (("start", "before"), ("end", "after"))
+            for name, scrape in sorted((metrics.get(key) or {}).items())
+            if isinstance(scrape, dict) and "error" in scrape
+        }
+        if not rates and not failed:
+            continue
+        shown = ", ".join(
+            [f"{name} {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
+             for name, rate in sorted(rates.items()) if name not in failed]
+            + [f"{name} n/a (/metrics failed: {why})" for name, why in sorted(failed.items())]
+        )  # fmt: skip
+        line = f"{entry.variant} r{entry.repeat + 1}: prefix-cache hit {shown}"
+        driver = extra.get("driver") or {}
+        if driver.get("lag_p99_ms") is not None:
+            line += f"; driver send lag p99 {float(driver['lag_p99_ms']):.2f} ms"
+        lines.append(line)
+    return lines
+
+
+def connector_lines(runs: list[RunEntry]) -> list[str]:
+    """Per run, the KV moves a policy decided that ran without a connector (`cluster.
+    kv_connector.type: none`), as both worlds run them: an offload on its decode instance,
+    a warm copy as a speculative prefill on its target."""
+    lines: list[str] = []
+    for entry in runs:
+        stats = {**(entry.extra.get("router") or {}), **(entry.extra.get("sim_stats") or {})}
+        said = [
+            f"{int(n):,} {what}"
+            for key, what in (
+                ("offloads_without_connector", "prefill offloads ran on their decode instance"),
+                ("warm_copies_as_prefills", "warm copies ran as speculative prefills"),
+            )
+            if (n := stats.get(key))
+        ]
+        if said:
+            lines.append(f"{entry.variant} r{entry.repeat + 1}: {', '.join(said)}")
+    return lines

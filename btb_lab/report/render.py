@@ -116,56 +116,6 @@ def result_lines(summary: Summary, baseline: str) -> list[str]:
     return lines
 
 
-def engine_lines(runs: list[RunEntry]) -> list[str]:
-    """Per run, what the engines themselves reported (real clusters only): each instance's
-    prefix-cache hit rate over the run from vLLM's /metrics, and the load driver's lag."""
-    lines: list[str] = []
-    for entry in runs:
-        extra = entry.extra
-        metrics = extra.get("metrics") or {}
-        rates = metrics.get("cache_hit_rate") or {}
-        # an instance whose /metrics failed has no rate: say so rather than leave it out
-        failed = {
-            name: f"{scrape['error']} at the {when}"
-            for when, key in (("start", "before"), ("end", "after"))
-            for name, scrape in sorted((metrics.get(key) or {}).items())
-            if isinstance(scrape, dict) and "error" in scrape
-        }
-        if not rates and not failed:
-            continue
-        shown = ", ".join(
-            [f"{name} {'n/a' if rate is None else f'{rate * 100:.1f}%'}"
-             for name, rate in sorted(rates.items()) if name not in failed]
-            + [f"{name} n/a (/metrics failed: {why})" for name, why in sorted(failed.items())]
-        )  # fmt: skip
-        line = f"{entry.variant} r{entry.repeat + 1}: prefix-cache hit {shown}"
-        driver = extra.get("driver") or {}
-        if driver.get("lag_p99_ms") is not None:
-            line += f"; driver send lag p99 {float(driver['lag_p99_ms']):.2f} ms"
-        lines.append(line)
-    return lines
-
-
-def connector_lines(runs: list[RunEntry]) -> list[str]:
-    """Per run, the KV moves a policy decided that ran without a connector (`cluster.
-    kv_connector.type: none`), as both worlds run them: an offload on its decode instance,
-    a warm copy as a speculative prefill on its target."""
-    lines: list[str] = []
-    for entry in runs:
-        stats = {**(entry.extra.get("router") or {}), **(entry.extra.get("sim_stats") or {})}
-        said = [
-            f"{int(n):,} {what}"
-            for key, what in (
-                ("offloads_without_connector", "prefill offloads ran on their decode instance"),
-                ("warm_copies_as_prefills", "warm copies ran as speculative prefills"),
-            )
-            if (n := stats.get(key))
-        ]
-        if said:
-            lines.append(f"{entry.variant} r{entry.repeat + 1}: {', '.join(said)}")
-    return lines
-
-
 def _mib(value: float) -> str:
     return f"{value / 2**20:.2f}"
 
@@ -459,8 +409,8 @@ def entry_context(run: AnalyzedRun, timeline: pd.DataFrame | None = None) -> dic
         ],
         "rule": describe.rule(hyp),
         "result_lines": result_lines(summary, hyp.baseline),
-        "engine_lines": engine_lines(runs),
-        "connector_lines": connector_lines(runs),
+        "engine_lines": describe.engine_lines(runs),
+        "connector_lines": describe.connector_lines(runs),
         "kv_source_rows": kv_source_rows(runs),
         "comparisons": _comparisons(run),
         "statistics": _statistics(run),

@@ -78,7 +78,7 @@ def test_summary_contract_keys(tmp_path: Path, fake_effects) -> None:
 
 
 def test_engine_lines_show_per_instance_cache_hit_rates_of_real_runs() -> None:
-    from btb_lab.report.render import engine_lines
+    from btb_lab.report.describe import engine_lines
     from btb_lab.results import RunEntry
 
     def entry(variant: str, repeat: int, extra: dict | None = None) -> RunEntry:
