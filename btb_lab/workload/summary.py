@@ -61,7 +61,8 @@ def trace_summary(requests: Sequence[Request], *, top_windows: int = 10) -> dict
                 seen.add(block)
     windows = Counter(r.trace_id for r in ordered)
     sources = Counter(r.source for r in ordered)
-    sessions = {r.session_id for r in ordered if r.session_id is not None}
+    # sessions are per window, as replay and the turn checks key them
+    sessions = {(r.trace_id, r.session_id) for r in ordered if r.session_id is not None}
     turns = Counter(r.turn for r in ordered)
     return {
         "rows": len(ordered),

@@ -113,3 +113,19 @@ def test_generate_refuses_arrivals_that_are_not_finite(
     assert result.code == 2, result.output
     assert f"{kind} arrival times are not finite numbers" in result.output
     assert not out.exists()
+
+
+def test_inspect_counts_sessions_per_window() -> None:
+    """Session `s1` in two windows is two sessions, as replay and the turn checks key them
+    (inspect said 1)."""
+    from btb_lab.records import Request
+    from btb_lab.workload.summary import trace_summary
+
+    requests = [
+        Request(f"{w}{t}", float(t), 512, 1, (1,), 512, trace_id=w, session_id="s1", turn=t)
+        for w in ("w1", "w2")
+        for t in (1, 2)
+    ]
+    summary = trace_summary(requests)
+    assert summary["sessions"] == 2
+    assert summary["windows"] == 2
