@@ -258,11 +258,17 @@ def convert_cmd(
 
     # a name of its own beside the output (never the source's, nor an earlier one's);
     # loaders go by the suffix
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".partial.parquet",
-                                dir=out.parent)  # fmt: skip
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".partial.parquet",
+                                    dir=out.parent)  # fmt: skip
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     os.close(fd)
     partial = Path(name)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    partial.chmod(0o666 & ~umask)  # as any other output (mkstemp makes it private)
     try:
         try:
             rows = write_bursted_art_parquet(loaded.requests, partial)

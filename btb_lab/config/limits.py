@@ -9,6 +9,7 @@ each number is in its comment and in the description of the fields that use it.
 from __future__ import annotations
 
 __all__ = [
+    "MAX_BLOCK_TOKENS",
     "MAX_BOOTSTRAP_SAMPLES",
     "MAX_GPUS_PER_INSTANCE",
     "MAX_INSTANCES",
@@ -16,6 +17,7 @@ __all__ = [
     "MAX_REQUESTS",
     "MAX_SWEEP_POINTS",
     "MAX_TOKENS",
+    "MAX_TURN",
     "MAX_UTIL_SAMPLES",
     "MIN_SAMPLE_INTERVAL_S",
 ]
@@ -27,6 +29,13 @@ MAX_REQUESTS = 10_000_000
 # Tokens in one prompt or one output: ten times the longest context window of current
 # models (1M tokens). Block ids and, on a real cluster, prompts scale with it.
 MAX_TOKENS = 10_000_000
+
+# Tokens in one prefix-hash block: 2^20 is beyond any engine's block, and keeps the block
+# arithmetic (ceil(tokens / block) in int64) from overflowing.
+MAX_BLOCK_TOKENS = 1 << 20
+
+# A request's turn in its session: a session has no more turns than a run has requests.
+MAX_TURN = MAX_REQUESTS
 
 # Instances in one instance group: the shipped hypotheses use at most 16; the simulator
 # keeps per-instance caches and bins, so a million instances exhausts memory.

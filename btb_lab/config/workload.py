@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from btb_lab.config.base import StrictModel
+from btb_lab.config.limits import MAX_BLOCK_TOKENS
 
 __all__ = [
     "SESSION_REPLAY_TEXT",
@@ -54,9 +55,6 @@ class RepeatVariation(StrictModel):
 
 
 # How a report's workload line says a closed replay (open says nothing: the default).
-# a block of 2^20 tokens is beyond any engine's; the bound keeps block arithmetic in int64
-MAX_BLOCK_TOKENS = 1 << 20
-
 SESSION_REPLAY_TEXT = {
     "closed": " with closed sessions (a turn is sent once its session's earlier turns finish)",
     "closed_think": " with closed sessions and think times (a turn is sent its trace gap after "

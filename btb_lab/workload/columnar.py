@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from btb_lab.config.limits import MAX_TOKENS
+from btb_lab.config.limits import MAX_TOKENS, MAX_TURN
 from btb_lab.workload.hashing import stable_hashes63
 from btb_lab.workload.trace_checks import open_trace
 
@@ -146,7 +146,9 @@ def read_batches(
     """
     if path.suffix == ".parquet":  # decoding is a small part of a parquet load: in turn
         for batch in _parquet_batches(path, schema):
-            yield batch, True, None
+            # a struct has every field in every row: a null turn is no turn, not a written
+            # null (the row loader reads parquet so too)
+            yield batch, False, None
         return
     for batches, null_turn in _ahead(_json_chunks(path, schema, interned)):
         for batch, ids in batches:
@@ -374,8 +376,10 @@ def turns(
     turn = pc.struct_field(metadata, "turn")
     if null_turn_written and turn.null_count != metadata.null_count:
         raise Fallback("a null metadata.turn in some row")
-    if turn.null_count < len(turn) and int(pc.min(turn).as_py()) < 1:
-        raise Fallback("metadata.turn below 1 in some row")
+    if turn.null_count < len(turn) and not (
+        int(pc.min(turn).as_py()) >= 1 and int(pc.max(turn).as_py()) <= MAX_TURN
+    ):
+        raise Fallback("metadata.turn out of range in some row")
     return pc.fill_null(turn, 1).to_pylist(), turn.is_valid().to_pylist()
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from btb_lab.collector import paused
-from btb_lab.config.limits import MAX_TOKENS
+from btb_lab.config.limits import MAX_TOKENS, MAX_TURN
 from btb_lab.errors import UserError
 from btb_lab.records import Request
 from btb_lab.registry import Registry
@@ -26,9 +26,9 @@ from btb_lab.workload.hashing import BlockIdInterner, block_id
 from btb_lab.workload.trace_checks import (
     check_trace_input,
     open_trace,
+    parquet_rows,
     token_count,
     trace_stem,
-    unreadable_parquet,
 )
 
 __all__ = [
@@ -81,7 +81,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
             f"{path}: not a regular file (a pipe or a device); write the trace to a file first"
         )
     if path.suffix == ".parquet":
-        yield from enumerate(_parquet_rows(path), start=1)
+        yield from enumerate(parquet_rows(path), start=1)
         return
     line_no = 0
     try:
@@ -110,17 +110,6 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRow]]:
         raise UserError(
             f"{path}:{line_no + 1}: the gzip stream ends early (a cut download?)"
         ) from None
-
-
-def _parquet_rows(path: Path) -> list[dict[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise unreadable_parquet(path, exc) from None
-    return table.to_pylist()
 
 
 def _require(row: dict[str, Any], name: str) -> Any:
@@ -393,8 +382,12 @@ def load_bursted_art(path: Path, block_tokens: int, skip_bad_rows: bool) -> Load
         turn = 1
         if "turn" in meta:
             turn_value = meta["turn"]
-            if isinstance(turn_value, bool) or not isinstance(turn_value, int) or turn_value < 1:
-                raise BadRow("metadata.turn", "must be an integer ≥ 1")
+            if (
+                isinstance(turn_value, bool)
+                or not isinstance(turn_value, int)
+                or not 1 <= turn_value <= MAX_TURN
+            ):
+                raise BadRow("metadata.turn", f"must be an integer from 1 to {MAX_TURN:,}")
             turn = turn_value
             if session_id is not None:
                 session_turns.check(trace_id, session_id, turn, arrival_s)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from btb_lab.config.workload import MAX_BLOCK_TOKENS
+from btb_lab.config.limits import MAX_BLOCK_TOKENS
 from btb_lab.errors import UserError
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "check_trace_input",
     "milliseconds_hint",
     "open_trace",
+    "parquet_rows",
     "token_count",
     "trace_stamp",
     "trace_stem",
@@ -187,3 +188,22 @@ def trace_stamp(path: Path) -> dict[str, object]:
         "path": str(path.resolve()), "bytes": size, "edges_blake2b": digest.hexdigest(),
         "crc32": f"{crc:08x}",
     }  # fmt: skip
+
+
+def parquet_rows(path: Path) -> list[dict[str, Any]]:
+    """A parquet trace's rows as dicts, for the row loader."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise unreadable_parquet(path, exc) from None
+    rows = table.to_pylist()
+    # a struct column has every field in every row: a null field is one the row does
+    # not have (as the columnar reader reads it), not a written null
+    for row in rows:
+        meta = row.get("metadata")
+        if isinstance(meta, dict) and None in meta.values():
+            row["metadata"] = {k: v for k, v in meta.items() if v is not None}
+    return rows

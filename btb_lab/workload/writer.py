@@ -80,9 +80,9 @@ def write_bursted_art_parquet(requests: list[Request], path: Path) -> int:
     """Write `requests` as one Bursted-ART parquet file, in row groups of the columnar
     reader's batch size; returns the number of rows.
 
-    `metadata` is null where a request has turn 1 and no job kind, and carries the turn
-    otherwise: turns of 1 left unwritten keep the loader's turn-order checks a subset of
-    the source's, so a file that loaded once loads again.
+    `metadata` is null where a request has turn 1 and no job kind, and otherwise carries
+    its turn (null for turn 1) and job kind: turns of 1 left unwritten keep the loader's
+    turn-order checks a subset of the source's, so a file that loaded once loads again.
     """
     from itertools import chain
 
@@ -101,7 +101,9 @@ def write_bursted_art_parquet(requests: list[Request], path: Path) -> int:
     small = int(offsets[-1]) < 2**31  # int32 list offsets
     lists, offset_type = (pa.ListArray, np.int32) if small else (pa.LargeListArray, np.int64)
     metadata = [
-        None if r.turn == 1 and r.job_kind is None else {"turn": r.turn, "job_kind": r.job_kind}
+        None
+        if r.turn == 1 and r.job_kind is None
+        else {"turn": r.turn if r.turn != 1 else None, "job_kind": r.job_kind}
         for r in requests
     ]
 

@@ -30,9 +30,22 @@ def _generated(folder: Path, kind: str, params: dict[str, object]) -> Path:
     return path
 
 
+JOB_WITHOUT_TURN = """\
+{"arrival_s": 0.0, "trace_id": "w", "source": "art", "request_id": "a", "input_length": 1024, \
+"output_length": 1, "hash_ids": ["x", "y"], "session_id": "s", "metadata": {"turn": 2}}
+{"arrival_s": 5.0, "trace_id": "w", "source": "art", "request_id": "b", "input_length": 1024, \
+"output_length": 1, "hash_ids": ["x", "y"], "session_id": "s", "metadata": {"job_kind": "burst"}}
+"""
+
+
 def _sources(folder: Path) -> list[Path]:
-    """Strings ids, turns given and not, sessions, job kinds, windows out of file order."""
+    """Strings ids, turns given and not, sessions, job kinds, windows out of file order;
+    a job kind without a turn after a later turn of its session (its turn 1 written
+    explicitly made the file fail its own turn-order check)."""
+    job = folder / "job_without_turn.jsonl"
+    job.write_text(JOB_WITHOUT_TURN, encoding="utf-8")
     return [
+        job,
         FIXTURES / "bursted_art_small.jsonl",
         _generated(folder, "agentic", {"sessions": 12, "turns_mean": 4}),
         _generated(
@@ -113,6 +126,42 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     kept = load_trace(bad, "bursted-art", block_tokens=1, skip_bad_rows=True)
     assert f"{len(kept.bad_rows)} malformed rows left out" in result.out
     assert load_trace(out, "bursted-art", block_tokens=1).requests == kept.requests
+
+
+def test_a_turn_out_of_range_is_named_at_its_line(tmp_path: Path) -> None:
+    """A turn past int64 was reported by convert as "a block id does not fit in 64 bits"
+    (the row has none); every loader now bounds the turn at the row."""
+    source = tmp_path / "t.jsonl"
+    source.write_text(
+        '{"arrival_s": 0.0, "trace_id": "w", "source": "art", "request_id": "a", '
+        '"input_length": 512, "output_length": 1, "hash_ids": [], '
+        '"metadata": {"turn": 99999999999999999999999}}\n',
+        encoding="utf-8",
+    )
+    for command in (["convert", source, "-o", tmp_path / "t.parquet"], ["inspect", source]):
+        result = cli("trace", *command)
+        assert result.code == 2, result.output
+        assert not result.traceback
+        assert f"{source}:1: field 'metadata.turn': must be an integer from 1 to" in result.err
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_the_output_follows_the_umask_and_an_unwritable_one_is_named(tmp_path: Path) -> None:
+    """mkstemp made the output private (0600); a folder that cannot be written was
+    reported as the temporary file's."""
+    import os
+
+    out = tmp_path / "o.parquet"
+    result = cli("trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", out)
+    assert result.code == 0, result.output
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    (tmp_path / "file").write_text("x")
+    blocked = tmp_path / "file" / "o.parquet"  # its folder is a file
+    result = cli("trace", "convert", FIXTURES / "bursted_art_small.jsonl", "-o", blocked)
+    assert result.code == 2, result.output
+    assert f"--out {blocked}: cannot write there" in result.err
 
 
 def _drop_last(requests: list[Request], path: Path) -> int:
