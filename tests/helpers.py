@@ -29,6 +29,7 @@ __all__ = [
     "cli_subprocess",
     "python_env",
     "raw_server",
+    "read_http_request",
     "write_small",
 ]
 
@@ -41,6 +42,7 @@ def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
+    handlers: list[threading.Thread] = []
 
     def serve(conn: socket.socket) -> None:
         with conn:
@@ -52,13 +54,22 @@ def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
                 conn, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+            thread = threading.Thread(target=serve, args=(conn,), daemon=True)
+            handlers.append(thread)
+            thread.start()
 
-    threading.Thread(target=accept, daemon=True).start()
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
     finally:
+        # no thread outlives the server: a live thread makes later tests' processes
+        # unsafe to fork (they skip, or draw in another way)
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
         listener.close()
+        for thread in [acceptor, *handlers]:
+            thread.join(timeout=5.0)
 
 
 # Two instances, 60 Poisson requests, two variants: a full simulator run is about a second.
@@ -193,3 +204,22 @@ class CountingGenerators:
             return entry.generate(params, ctx)
 
         return replace(entry, generate=generate)
+
+
+def read_http_request(conn: socket.socket) -> bool:
+    """Read one HTTP request (headers and Content-Length body); False at end of stream."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return False
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += conn.recv(65536)
+    return True

@@ -21,7 +21,7 @@ from btb_lab.cluster.proxy import build_proxy_app, make_router
 from btb_lab.policies import build_policy
 from btb_lab.policies.base import Decision, NoParams, Policy
 from btb_lab.records import Request
-from tests.helpers import raw_server
+from tests.helpers import raw_server, read_http_request
 
 
 class Scripted(Policy):
@@ -183,9 +183,7 @@ def cut_stream(conn: socket.socket) -> None:
     """Answer 200 with one SSE event and half of the next of a chunked stream, then
     close mid-stream."""
     sent = b'data: {"choices": [{"text": "a", "index": 0}]}\n\ndata: {"choi'
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += conn.recv(65536)
+    read_http_request(conn)  # the whole request: closing with some unread is a reset
     conn.sendall(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n"

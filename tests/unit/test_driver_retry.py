@@ -13,31 +13,12 @@ from contextlib import contextmanager
 import httpx
 
 from btb_lab.cluster.driver import RunClock, StreamResult, stream_completion
-from tests.helpers import raw_server
+from tests.helpers import raw_server, read_http_request
 
 ANSWER = json.dumps({
     "choices": [{"text": "hi", "finish_reason": "length"}],
     "usage": {"prompt_tokens": 3, "completion_tokens": 1},
 }).encode()  # fmt: skip
-
-
-def _read_request(conn: socket.socket) -> bool:
-    """Read one HTTP request (headers and Content-Length body); False at end of stream."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return False
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        body += conn.recv(65536)
-    return True
 
 
 @contextmanager
@@ -50,7 +31,7 @@ def answering(per_connection: int) -> Iterator[tuple[str, list[int]]]:
     def handle(conn: socket.socket) -> None:
         index = len(read)
         read.append(0)
-        while _read_request(conn):
+        while read_http_request(conn):
             read[index] += 1
             if read[index] > per_connection:
                 return  # read it whole, then close without an answer
