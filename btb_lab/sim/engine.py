@@ -235,7 +235,7 @@ class Engine(MixedSteps):
         if self.sharing and len(req.block_hashes) * self.block_tokens > prompt:
             prompt = len(req.block_hashes) * self.block_tokens
         if p is None:
-            self._enqueue(dinst, ReqJob(req, rec, kv_need(prompt, req)))
+            self._enqueue(dinst, ReqJob(req, rec, *kv_need(prompt, req)))
         else:
             pinst = insts[p]
             pinst.load.outstanding_tokens += req.input_tokens

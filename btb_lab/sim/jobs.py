@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 from btb_lab.records import Request, RequestRecord
 
@@ -23,15 +23,65 @@ __all__ = [
     "WarmCopy",
     "WarmJob",
     "WarmLogEntry",
+    "admission_cost",
     "kv_need",
+    "pin_prompt",
 ]
 
 
-def kv_need(prompt_tokens: int, req: Request) -> int:
-    """KV tokens a request reserves to decode: its prompt as held (`prompt_tokens`, whole
-    hashed blocks with sharing) and its output, which first fills the slack of the prompt's
-    last block as in a paged cache; so `input + output` when that is more."""
-    return max(prompt_tokens, req.input_tokens + req.output_tokens)
+class PinnedBlocks(Protocol):
+    """What the KV accounting here asks of an instance's cache (`cache.PrefixCache`)."""
+
+    def pin_count(self, h: int) -> int: ...
+    def lead_pinned(self, hashes: Sequence[int]) -> int: ...
+    def pin(self, hashes: Sequence[int], start: int, upto: int) -> int: ...
+    def insert_pinned(self, hashes: Sequence[int], start: int) -> int: ...
+
+
+def kv_need(prompt_tokens: int, req: Request) -> tuple[int, int]:
+    """KV tokens a request reserves to decode, and the slack credit in them. It holds its
+    prompt (`prompt_tokens`, whole hashed blocks with sharing) and its output, which first
+    fills the slack of the prompt's last block as in a paged cache: `max(prompt_tokens,
+    input + output)`. The credit (output tokens in that slack) holds only while no other
+    running request pins the same last block (`pin_prompt`): two cannot write one block."""
+    slack = min(req.output_tokens, prompt_tokens - req.input_tokens)
+    return prompt_tokens + req.output_tokens - slack, slack
+
+
+def pin_prompt(cache: PinnedBlocks, job: ReqJob | PrefillJob | KVJob, upto: int = -1) -> int:
+    """Pin `job`'s prompt blocks from its `n_pin` up to `upto` (every block: inserting the
+    missing ones, as resident); returns the tokens that leave its reservation: the blocks
+    pinned, less its slack credit (`kv_need`) when this pins its last block and another
+    running request pins that block already (the first holder keeps its credit)."""
+    n = len(job.hashes)
+    last_before = job.n_pin == n
+    if upto < 0:
+        pinned = cache.insert_pinned(job.hashes, job.n_pin)
+        job.n_pin = n
+    else:
+        pinned = cache.pin(job.hashes, job.n_pin, upto)
+        job.n_pin = upto
+    slack = job.slack
+    if slack and not last_before and job.n_pin == n and cache.pin_count(job.hashes[-1]) > 1:
+        job.slack = 0
+        return pinned - slack
+    return pinned
+
+
+def admission_cost(cache: PinnedBlocks, job: Job, block_tokens: int, reusable: bool) -> int:
+    """KV that admitting `job` adds at most (sharing): its full cost less the leading
+    prompt blocks already pinned here, which it will reuse without new memory, plus the
+    slack credit it loses when they include its last block. Cold prefills, warm jobs and
+    received KV that is not `reusable` share nothing."""
+    if isinstance(job, WarmJob) or not job.hashes:
+        return job.need
+    if isinstance(job, PrefillJob | KVJob) and job.cold:
+        return job.need
+    if isinstance(job, KVJob) and not reusable:
+        return job.need
+    lead = cache.lead_pinned(job.hashes)
+    shared = job.slack if lead == len(job.hashes) else 0
+    return job.need - lead * block_tokens + shared
 
 
 class ReqJob:
@@ -50,13 +100,15 @@ class ReqJob:
         "rec",
         "req",
         "run_s",
+        "slack",
     )
 
-    def __init__(self, req: Request, rec: RequestRecord, need: int) -> None:
+    def __init__(self, req: Request, rec: RequestRecord, need: int, slack: int = 0) -> None:
         self.req = req
         self.rec = rec
         self.hashes: Sequence[int] = req.block_hashes
         self.need = need
+        self.slack = slack  # see kv_need
         self.enq_s = 0.0
         self.admit_s = 0.0  # admission all_that_fit: when admitted (its prefill waits)
         self.run_s = 0.0  # admission all_that_fit: its prefill's duration
@@ -86,6 +138,7 @@ class PrefillJob:
         "rec",
         "req",
         "run_s",
+        "slack",
     )
 
     def __init__(
@@ -103,6 +156,7 @@ class PrefillJob:
         self.hashes: Sequence[int] = req.block_hashes
         self.prompt_tokens = prompt_tokens  # KV its prompt occupies, here and at the decoder
         self.need = prompt_tokens  # no output here
+        self.slack = 0
         self.enq_s = 0.0
         self.n_pin = 0
         self.prefill_inst = prefill_inst
@@ -118,13 +172,18 @@ class PrefillJob:
 class KVJob:
     """Decode here from KV a prefill instance shipped (the second half of a PrefillJob)."""
 
-    __slots__ = ("cold", "ctx_off", "enq_s", "hashes", "n_pin", "n_shared", "need", "rec", "req")
+    __slots__ = (
+        "cold", "ctx_off", "enq_s", "hashes", "n_pin", "n_shared", "need", "rec", "req", "slack",
+    )  # fmt: skip
 
-    def __init__(self, req: Request, rec: RequestRecord, need: int, *, cold: bool) -> None:
+    def __init__(
+        self, req: Request, rec: RequestRecord, need: int, slack: int = 0, *, cold: bool
+    ) -> None:
         self.req = req
         self.rec = rec
         self.hashes: Sequence[int] = req.block_hashes
         self.need = need
+        self.slack = slack  # see kv_need
         self.enq_s = 0.0
         self.n_pin = 0
         self.n_shared = 0

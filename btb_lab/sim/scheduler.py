@@ -19,7 +19,8 @@ cache, a request holds two things while it runs:
   recently used unpinned (evictable) cache blocks.
 - *reserved* tokens: the rest of its prompt (counted in whole blocks for the hashed
   part, as a paged cache allocates them) plus its output past the last prompt block's
-  slack (`jobs.kv_need`; none for a prefill done for another instance).
+  slack, or all of it when another running request pins that block too (`jobs.kv_need`,
+  `jobs.pin_prompt`; none for a prefill done for another instance).
 
 The budget invariant is `pinned blocks × block_tokens + reserved <= kv_budget_tokens`, and
 the unpinned cache blocks fill what is left. Admission checks the same sum with the job's
@@ -60,7 +61,17 @@ from btb_lab.sim.instance import (
     EngineView,
     InstanceState,
 )
-from btb_lab.sim.jobs import DecodeJob, Job, KVJob, PrefillJob, ReqJob, WarmJob, WarmLogEntry
+from btb_lab.sim.jobs import (
+    DecodeJob,
+    Job,
+    KVJob,
+    PrefillJob,
+    ReqJob,
+    WarmJob,
+    WarmLogEntry,
+    admission_cost,
+    pin_prompt,
+)
 
 __all__ = [
     "EV_PARK",
@@ -201,8 +212,8 @@ class Scheduler:
     def _admissible(self, inst: InstanceState, job: Job) -> bool:
         """Whether `job`, first in `inst`'s queue, may start now: the batch has room (a
         warm job joins none) and its KV fits beside what admitted requests hold, at its
-        full cost or, with sharing, at `_cost`. A job that can never fit is admissible: it
-        fails at once, which also unblocks the queue."""
+        full cost or, with sharing, at `jobs.admission_cost`. A job that can never fit is
+        admissible: it fails at once, which also unblocks the queue."""
         cache = inst.cache
         cap = cache.cap_tokens
         need = job.need
@@ -212,21 +223,9 @@ class Scheduler:
             return False
         used = cache.reserved + cache.pinned_tokens  # no pins without sharing
         # the full cost fitting settles it without scanning the pins
-        return used + need <= cap or (self.sharing and used + self._cost(inst, job) <= cap)
-
-    def _cost(self, inst: InstanceState, job: Job) -> int:
-        """KV that admitting `job` adds at most (sharing): its full cost less the leading
-        prompt blocks already pinned here, which it will reuse without new memory. Cold
-        prefills, warm jobs and received KV that is not reusable share nothing."""
-        need = job.need
-        if isinstance(job, WarmJob) or not job.hashes:
-            return need
-        if isinstance(job, PrefillJob):
-            if job.cold:
-                return need
-        elif isinstance(job, KVJob) and (job.cold or not self.reusable):
-            return need
-        return need - inst.cache.lead_pinned(job.hashes) * self.block_tokens
+        if used + need <= cap or not self.sharing:
+            return used + need <= cap
+        return used + admission_cost(inst.cache, job, self.block_tokens, self.reusable) <= cap
 
     def _hit_cap(self, job: Job, tokens: int) -> int:
         """Prompt tokens a cache hit may spare `job` (`sim.prompt_cache_hit`): vLLM's hits are
@@ -457,11 +456,9 @@ class Scheduler:
                     if not self.after_prefill:
                         cache.insert(hashes, fit=False)
                 elif not self.after_prefill:
-                    job.need -= cache.insert_pinned(hashes, job.n_pin)
-                    job.n_pin = len(hashes)
+                    job.need -= pin_prompt(cache, job)
                 elif n_use > job.n_pin:
-                    job.need -= cache.pin(hashes, job.n_pin, n_use)
-                    job.n_pin = n_use
+                    job.need -= pin_prompt(cache, job, n_use)
             if self.output_blocks:
                 self._insert_output_blocks(inst, job)
         inst.reserve(job.need, now, self.dt)
@@ -511,8 +508,7 @@ class Scheduler:
         hashes = job.hashes
         if self.reusable and hashes:
             if self.sharing:
-                job.need -= inst.cache.insert_pinned(hashes, job.n_pin)
-                job.n_pin = len(hashes)
+                job.need -= pin_prompt(inst.cache, job)
                 inst.reserve(job.need, now, self.dt)
             else:
                 inst.reserve(job.need, now, self.dt)

@@ -32,7 +32,7 @@ from typing import Any
 from btb_lab.sim.actions import CacheActions
 from btb_lab.sim.decode import segment_s
 from btb_lab.sim.instance import PHASE_IDLE, PHASE_PREFILL, InstanceState
-from btb_lab.sim.jobs import KVJob, PrefillJob, ReqJob, WarmJob
+from btb_lab.sim.jobs import KVJob, PrefillJob, ReqJob, WarmJob, pin_prompt
 from btb_lab.sim.scheduler import PRI_ARRIVAL, PRI_PREFILL
 
 __all__ = ["EV_BATCH", "EV_WAKE", "PRI_WAKE", "MixedSteps", "PrefillBatch"]
@@ -90,8 +90,7 @@ class MixedSteps(CacheActions):
         elif self.after_prefill and hashes:
             if self.sharing and not isinstance(job, WarmJob):
                 # its own blocks are resident now: move them from reserved to pinned
-                pinned = inst.cache.insert_pinned(hashes, job.n_pin)
-                job.n_pin = len(hashes)
+                pinned = pin_prompt(inst.cache, job)
                 job.need -= pinned
                 inst.cache.reserved -= pinned
                 inst.cache.fit()

@@ -167,7 +167,7 @@ class Transfers(Scheduler):
             pinst.cache.unpin(job.hashes, job.n_pin)
             job.n_pin = 0
         self._kick(pinst)
-        self._enqueue(inst, KVJob(req, job.rec, kv_need(job.prompt_tokens, req), cold=job.cold))
+        self._enqueue(inst, KVJob(req, job.rec, *kv_need(job.prompt_tokens, req), cold=job.cold))
 
     def _on_park(self, index: int, job: ReqJob | PrefillJob) -> None:
         """A job parked for a warm copy resumes, first in its queue (it waited all along,

@@ -262,6 +262,45 @@ def test_output_fills_the_last_prompt_blocks_slack(sharing: bool, offload: bool)
     assert "KV tokens" in (recs["too_big"].error or "")
 
 
+@pytest.mark.parametrize("step_model", ["serial", "mixed"])
+@pytest.mark.parametrize("visibility", ["at_admission", "after_prefill"])
+def test_requests_sharing_a_partial_last_block_do_not_share_its_slack(
+    visibility: str, step_model: str
+) -> None:
+    """Identical prompts pin one partial last block; only one request's output fits in its
+    slack, the others reserve their own (a paged cache never shares a partial block). With
+    the slack credited to every sharer, all eight decoded at once in the KV of one."""
+    cap = nodes(1)[0].kv_budget_tokens
+    n_blocks = (cap - 3 * 511) // 512  # the shared prompt, and room for 3 more outputs
+    blocks = tuple(range(n_blocks))
+    same = [Request(f"r{i}", 0.0, (n_blocks - 1) * 512 + 1, 511, blocks, 512) for i in range(8)]
+    recs, engine = run(
+        same, Scripted({}), insts=nodes(1), kv_visibility=visibility, step_model=step_model
+    )
+    assert all(r.ok for r in recs.values())
+    first_done = min(r.finish_s or 0.0 for r in recs.values())
+    running_together = sum((r.first_token_s or 0.0) < first_done for r in recs.values())
+    assert running_together == 4  # one output in the slack, three in reserved KV
+    assert engine.insts[0].cache.reserved == 0
+
+
+def test_pin_prompt_credits_the_slack_to_one_holder_of_the_last_block() -> None:
+    from btb_lab.sim.cache import implementation
+    from btb_lab.sim.jobs import admission_cost, kv_need, pin_prompt
+
+    _, cache_cls, _ = implementation()
+    cache = cache_cls("C0", 100_000, 512)
+    request = Request("a", 0.0, 513, 300, (1, 2), 512)  # 511 tokens of slack
+    first = ReqJob(request, None, *kv_need(1024, request))  # type: ignore[arg-type]
+    second = ReqJob(request, None, *kv_need(1024, request))  # type: ignore[arg-type]
+    assert (first.need, first.slack) == (1024, 300)
+    first.need -= pin_prompt(cache, first)
+    assert first.need == 0  # its output is in the last block's slack
+    assert admission_cost(cache, second, 512, True) == 300  # the prompt is there, not the slack
+    second.need -= pin_prompt(cache, second)
+    assert (second.need, second.slack) == (300, 0)
+
+
 def test_failed_offload_notifies_the_policy_with_its_decode_instance() -> None:
     """A prefill offload too big for its prefill instance fails there; the policy hears of
     it as of a finished request, for the instance it routed the request to (the decode
