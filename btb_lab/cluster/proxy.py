@@ -181,6 +181,20 @@ async def _read_body(http: HttpRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# a relayed event stream holds back at most this much of an event not yet whole
+MAX_HELD_EVENT_BYTES = 1 << 20
+
+
+def _events_end(data: bytes) -> int:
+    """Where the whole events in `data` end (after the last blank line, in any of SSE's
+    line endings), or 0; past MAX_HELD_EVENT_BYTES without one, all of it."""
+    seps = (b"\n\n", b"\r\r", b"\r\n\r\n")
+    end = max((i + len(sep) for sep in seps if (i := data.rfind(sep)) >= 0), default=0)
+    if not end and len(data) > MAX_HELD_EVENT_BYTES:
+        return len(data)
+    return end
+
+
 def build_proxy_app(
     router: Router,
     *,
@@ -287,22 +301,23 @@ def build_proxy_app(
                         first = False
                     if event_stream:
                         held += chunk
-                        end = held.rfind(b"\n\n") + 2
-                        if end < 2:
+                        end = _events_end(held)
+                        if not end:
                             continue
                         chunk, held = held[:end], held[end:]
                     yield chunk
                 if held:
                     yield held
             except httpx.HTTPError as exc:
-                # the status went out already: end the stream with an error event (as
+                # the status went out already: end an event stream with an error event (as
                 # vLLM's own mid-stream errors) rather than cut it and log a traceback
                 health.failed(chosen)
                 health.dropped_streams += 1
-                if event_stream:
-                    message = f"upstream {router.endpoints[chosen].name}: {type(exc).__name__}"
-                    error = {"error": {"message": message, "type": "upstream_error"}}
-                    yield b"data: " + json.dumps(error).encode() + b"\n\n"
+                if not event_stream:
+                    raise  # any other body is cut: the client must not read it as whole
+                message = f"upstream {router.endpoints[chosen].name}: {type(exc).__name__}"
+                error = {"error": {"message": message, "type": "upstream_error"}}
+                yield b"data: " + json.dumps(error).encode() + b"\n\n"
             finally:
                 await resp.aclose()
                 router.state.end(chosen, tokens)

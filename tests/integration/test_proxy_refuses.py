@@ -17,7 +17,12 @@ import pytest
 from btb_lab.cluster.backend import make_client
 from btb_lab.cluster.fake_server import FakeConfig, FakeVLLM, serve_in_thread
 from btb_lab.cluster.launcher import Endpoint
-from btb_lab.cluster.proxy import build_proxy_app, make_router
+from btb_lab.cluster.proxy import (
+    MAX_HELD_EVENT_BYTES,
+    _events_end,
+    build_proxy_app,
+    make_router,
+)
 from btb_lab.policies import build_policy
 from btb_lab.policies.base import Decision, NoParams, Policy
 from btb_lab.records import Request
@@ -211,3 +216,41 @@ def test_an_upstream_cut_mid_stream_ends_it_with_an_error_event(
     assert health["dropped_streams"] == 1
     assert health["instances"][0]["failures"] == 1
     assert "Traceback" not in capfd.readouterr().err
+
+
+def cut_json(conn: socket.socket) -> None:
+    """Answer 200 with half of a JSON body in a chunked stream, then close."""
+    read_http_request(conn)
+    half = b'{"choices": [{"text": "a'
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(half):x}\r\n".encode() + half + b"\r\n"
+    )
+
+
+def test_an_upstream_cut_mid_body_is_no_whole_answer() -> None:
+    """Any other body than an event stream is cut for the client too (the proxy had
+    ended it cleanly: a 200 with half a JSON document)."""
+    with raw_server(cut_json) as upstream:
+        endpoints = [Endpoint(0, "C0", "C", upstream)]
+        with serve(endpoints, Scripted(Decision(instance=0, route="X"))) as url, \
+                httpx.Client(timeout=30) as c:  # fmt: skip
+            with pytest.raises(httpx.HTTPError):
+                c.post(url + "/v1/completions", json={**BODY, "stream": False})
+            health = c.get(url + "/router/state").json()["health"]
+    assert health["dropped_streams"] == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "end"),
+    [
+        (b"data: a\n\n", 9),
+        (b"data: a\n\ndata: b", 9),
+        (b"data: a\r\n\r\ndata: b", 11),
+        (b"data: a\r\rdata: b", 9),
+        (b"data: a", 0),
+        (b"x" * (MAX_HELD_EVENT_BYTES + 1), MAX_HELD_EVENT_BYTES + 1),
+    ],
+)
+def test_events_end_at_a_blank_line_in_any_line_ending(data: bytes, end: int) -> None:
+    assert _events_end(data) == end
