@@ -196,7 +196,10 @@ def _json_chunks(
             else:  # no scanner, or a line it does not read: the parser decides
                 ids = None
                 table = _parse_json(chunk, read_options, full, rows)
-            null_turn = _turnless_metadata(table) and _NULL_TURN.search(chunk) is not None
+            # a key written with escapes (`"tu\\u0072n"`) is one the search cannot see
+            null_turn = _turnless_metadata(table) and (
+                _NULL_TURN.search(chunk) is not None or b"\\u" in chunk
+            )
             yield _split(table.to_batches(), ids), null_turn
 
 

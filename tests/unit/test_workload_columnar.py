@@ -264,6 +264,10 @@ ODD_FILES = {
         "bursted-art",
         _bursted() + "\n" + _bursted(request_id="r2", metadata={"turn": None}) + "\n",
     ),
+    "null turn with an escaped key": (
+        "bursted-art",
+        _bursted(metadata={"turn": None}).replace('"turn"', '"tu\\u0072n"') + "\n",
+    ),
     "no turn": ("bursted-art", _bursted(metadata={"split": "test"}) + "\n"),
     "metadata string": ("bursted-art", _bursted(metadata='{"turn": 2}') + "\n"),
     "turn zero": ("bursted-art", _bursted(metadata={"turn": 0}) + "\n"),
@@ -299,6 +303,7 @@ def test_odd_files_read_exactly_as_the_row_loader_reads_them(
     ["blank line", "crlf", "byte-order mark", "two objects on a line", "float length",
      "bool id", "time goes back", "too many ids", "nan time", "duplicate key",
      "tab in a string", "null turn", "null turn among turns", "turn zero",
+     "null turn with an escaped key",
      "integer request id", "unknown source", "repeated request id", "turns out of order"],
 )  # fmt: skip
 def test_odd_files_fall_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str) -> None:
